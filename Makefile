@@ -1,0 +1,35 @@
+# One command each for a fresh machine: `make serve` and `make test` create .venv and install what they need.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed-dev
+
+.PHONY: serve test lint format install bench clean
+
+$(INSTALLED): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(INSTALLED)
+
+install: $(INSTALLED)
+
+serve: $(INSTALLED)
+	$(BIN)/deepinfer-gateway serve $(ARGS)
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+test: lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+format: $(INSTALLED)
+	$(BIN)/ruff check --fix src tests bench
+	$(BIN)/ruff format src tests bench
+
+bench: $(INSTALLED)
+	$(BIN)/python bench/serving_overhead.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

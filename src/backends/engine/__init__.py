@@ -1,0 +1,1 @@
+"""Generic driver for in-process engines that speak DeepInfer's ``LLMEngine`` API."""

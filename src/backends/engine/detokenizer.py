@@ -1,0 +1,122 @@
+"""Incremental detokenization: token ids in, text out, never splitting a UTF-8 character."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer, decoders
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-to-unicode table that byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class TokenTable:
+    """Per-id bytes and display strings of a tokenizer's vocabulary, computed once per backend.
+
+    ``bytes_of[i]`` is what token ``i`` contributes to the output text (empty for skipped special tokens);
+    ``text_of[i]`` is the token as shown in logprobs. Only byte-level BPE vocabularies (DeepSeek's) get a
+    table; others fall back to ``DecodingDetokenizer``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        added = tokenizer.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        size = max(size, max(added, default=-1) + 1)
+        self.bytes_of: list[bytes] = [b""] * size
+        self.raw_bytes_of: list[bytes] = [b""] * size
+        if self.byte_level:
+            alphabet = _byte_level_alphabet()
+            for token, i in tokenizer.get_vocab(with_added_tokens=False).items():
+                self.raw_bytes_of[i] = bytes(alphabet.get(ch, 0) for ch in token)
+        else:
+            for i in range(size):
+                self.raw_bytes_of[i] = tokenizer.decode([i], skip_special_tokens=False).encode()
+        for i, t in added.items():
+            self.raw_bytes_of[i] = t.content.encode()
+        for i, raw in enumerate(self.raw_bytes_of):
+            if not (skip_special_tokens and i in self.special_ids):
+                self.bytes_of[i] = raw
+        self.text_of = [raw.decode("utf-8", "backslashreplace") for raw in self.raw_bytes_of]
+        self.skip_special_tokens = skip_special_tokens
+
+    def new_detokenizer(self) -> IncrementalDetokenizer:
+        if self.byte_level:
+            return ByteLevelDetokenizer(self.bytes_of)
+        return DecodingDetokenizer(self.tokenizer, skip_special_tokens=self.skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing sequence of token ids into text deltas."""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def flush(self) -> str:
+        """Text still held back at the end of the sequence (an incomplete character becomes U+FFFD)."""
+        raise NotImplementedError
+
+
+class ByteLevelDetokenizer(IncrementalDetokenizer):
+    """Exact and O(1) per token: concatenates token bytes and decodes them with an incremental UTF-8 decoder."""
+
+    __slots__ = ("_bytes_of", "_decoder", "_size")
+
+    def __init__(self, bytes_of: list[bytes]) -> None:
+        self._bytes_of = bytes_of
+        self._size = len(bytes_of)
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        table, size = self._bytes_of, self._size
+        if len(token_ids) == 1:
+            i = token_ids[0]
+            return self._decoder.decode(table[i] if 0 <= i < size else b"")
+        return self._decoder.decode(b"".join([table[i] if 0 <= i < size else b"" for i in token_ids]))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class DecodingDetokenizer(IncrementalDetokenizer):
+    """For tokenizers without a byte-level vocabulary: decode a short window and emit what is new.
+
+    Text is held back while it ends in U+FFFD, since the next token may complete the character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self._ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        return self._emit(final=True)
+
+    def _emit(self, *, final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full[len(prefix) :]

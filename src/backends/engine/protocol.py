@@ -1,0 +1,78 @@
+"""The seam between the engine driver and any engine with DeepInfer's ``LLMEngine`` API.
+
+DeepInfer's ``step()`` returns raw pointers that die at the next step; its binding copies them into
+``EngineOutput`` records. The reference engine produces these records directly. Everything above this
+module sees only plain records, so the CPU reference engine exercises the exact code that drives DeepInfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+from tokenizers import Tokenizer
+
+EOS_TOKEN_ID = 1
+"""DeepInfer's tokenizer policy pins EOS to id 1 (BOS 0, PAD 2)."""
+
+
+class EngineOutput(NamedTuple):
+    """One emitted token of one request, read out of the engine before its next ``step()``."""
+
+    request_id: str
+    token_id: int
+    finished: bool
+    finish_reason: str  # "" unless finished: stop, length, abort, prompt_length_exceeded, ...
+    num_output_tokens: int
+    prompt_len: int
+    token_logprob: float
+    top_logprobs: Sequence[float]
+    top_token_ids: Sequence[int]
+
+
+class FinishReason:
+    """DeepInfer's ``finish_reason`` strings (``csrc/engine/sequence.hpp``)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    PROMPT_LENGTH_EXCEEDED = "prompt_length_exceeded"
+    INSUFFICIENT_SYSTEM_RESOURCE = "insufficient_system_resource"
+    SO_FAILED = "xgrammar runtime errors or timeout"
+    VE_FAILED = "ve_error"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """DeepInfer's ``LLMEngine`` surface, with ``step()`` returning plain records.
+
+    Every method is called from the driver's one engine thread, which also constructs the engine.
+    ``sampling_params`` follows DeepInfer's ``SamplingParams`` keyword contract (temperature, top_p, top_k,
+    ignore_eos, max_tokens, top_logprobs, seq_seed, so_args, ...); unknown keys raise ``TypeError``.
+    """
+
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Tokenizer  # a ``tokenizers.Tokenizer``; DeepInfer's binding passes ``backend_tokenizer``
+
+    def add_request(
+        self,
+        user_id: str,
+        request_id: str,
+        sampling_params: dict[str, Any] | None,
+        prompt_token_ids: np.ndarray,
+        multi_modal_data: dict[str, Any] | None = None,
+    ) -> object | None: ...
+
+    def abort_request(self, request_id: str | Iterable[str]) -> tuple[int, int]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_num_unfinished_requests(self) -> int: ...
+
+    def step(self) -> Sequence[EngineOutput]: ...
+
+    def flush_inflight_reqs(self) -> Sequence[EngineOutput]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,111 @@
+"""``create_app(config)``: the FastAPI application and its lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from backends.interface import Backend
+from backends.registry import BackendKindUnavailableError, build_backend
+from gateway import __version__
+from gateway.config import GatewayConfig
+from gateway.errors import install_error_handlers
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import RequestContextMiddleware
+from gateway.router import ModelRouter
+from gateway.routes import generate, models, operations
+from gateway.state import GatewayState
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = None) -> FastAPI:
+    """Builds the app. Backends start in the background so ``/health`` answers at once and ``/ready`` tells
+    when they are up (a DeepInfer engine can take minutes)."""
+    start_errors: dict[str, str] = {}
+    if backends is None:
+        built: dict[str, Backend] = {}
+        for backend_config in config.backends:
+            try:
+                built[backend_config.name] = build_backend(backend_config)
+            except BackendKindUnavailableError as exc:
+                start_errors[backend_config.name] = str(exc)
+                built[backend_config.name] = _UnavailableBackend(backend_config.name, backend_config.kind, str(exc))
+        backends = built
+    metrics = GatewayMetrics()
+    metrics.watch_backends(backends.values())
+    state = GatewayState(
+        config=config,
+        backends=dict(backends),
+        router=ModelRouter(config.models, backends),
+        metrics=metrics,
+        start_errors=start_errors,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starting = asyncio.create_task(_start_backends(state))
+        try:
+            yield
+        finally:
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
+
+    app = FastAPI(title="deepinfer-gateway", version=__version__, lifespan=lifespan)
+    app.state.gateway = state
+    install_error_handlers(app)
+    app.include_router(generate.router)
+    app.include_router(models.router)
+    app.include_router(operations.router)
+    app.add_middleware(
+        RequestContextMiddleware,
+        max_body_bytes=config.server.max_body_bytes,
+        access_log=config.server.access_log,
+    )
+    return app
+
+
+async def _start_backends(state: GatewayState) -> None:
+    async def start(name: str, backend: Backend) -> None:
+        if name in state.start_errors:
+            return
+        try:
+            await backend.start()
+        except Exception as exc:
+            logger.exception("backend %s failed to start", name)
+            state.start_errors[name] = f"start failed: {exc}"
+        else:
+            logger.info("backend %s ready", name)
+
+    await asyncio.gather(*(start(name, b) for name, b in state.backends.items()))
+
+
+class _UnavailableBackend:
+    """Stands in for a configured backend that cannot run here, so readiness can say why."""
+
+    def __init__(self, name: str, kind: str, reason: str) -> None:
+        self.name = name
+        self.kind = kind
+        self._reason = reason
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def readiness(self) -> tuple[bool, str]:
+        return False, self._reason
+
+    def max_model_len(self) -> int | None:
+        return None
+
+    def generate(self, request):  # type: ignore[no-untyped-def]
+        from backends.errors import UnavailableError
+
+        raise UnavailableError(self._reason)

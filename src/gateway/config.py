@@ -1,0 +1,127 @@
+"""Gateway configuration: one YAML file, overridable by ``GATEWAY_*`` environment variables.
+
+Environment variables win over the file: ``GATEWAY_SERVER__PORT=9000`` sets ``server.port``, and a list such as
+``GATEWAY_MODELS='[{"name": "m", "backends": ["b"]}]'`` replaces the whole list.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from backends.config import BackendConfig, ReferenceBackendConfig
+
+DEFAULT_MODEL_NAME = "deepinfer-reference"
+DEFAULT_BACKEND_NAME = "reference"
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
+    access_log: bool = Field(True, description="one structured log line per request")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
+    max_n: int = Field(16, ge=1, description="upper bound for the n parameter")
+
+
+class ModelConfig(BaseModel):
+    """A public model name and the backends that serve it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    backends: list[str] = Field(min_length=1)
+
+
+class GatewayConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", env_nested_delimiter="__", extra="forbid")
+
+    server: ServerConfig = ServerConfig()
+    backends: list[BackendConfig] = Field(default_factory=list)
+    models: list[ModelConfig] = Field(default_factory=list)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return env_settings, init_settings  # the environment overrides the file
+
+    @model_validator(mode="after")
+    def _defaults_and_references(self) -> GatewayConfig:
+        if not self.backends and not self.models:
+            self.backends = [ReferenceBackendConfig(name=DEFAULT_BACKEND_NAME)]
+            self.models = [ModelConfig(name=DEFAULT_MODEL_NAME, backends=[DEFAULT_BACKEND_NAME])]
+        names = [b.name for b in self.backends]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"backends: duplicate backend name(s) {duplicates}")
+        model_names = [m.name for m in self.models]
+        duplicates = sorted({n for n in model_names if model_names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"models: duplicate model name(s) {duplicates}")
+        if not self.models:
+            raise ValueError("models: at least one model must be served")
+        for i, model in enumerate(self.models):
+            for name in model.backends:
+                if name not in names:
+                    raise ValueError(f"models[{i}].backends: unknown backend {name!r} (declared: {names})")
+        return self
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names every bad key."""
+
+
+def load_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:
+    """Reads the YAML file (if any), applies environment variables, then explicit overrides (CLI flags)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping")
+        data = loaded or {}
+    try:
+        config = GatewayConfig(**data)
+        server_overrides = {k: v for k, v in overrides.items() if v is not None}
+        if server_overrides:
+            merged = {**config.server.model_dump(), **server_overrides}
+            config.server = ServerConfig(**merged)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source=str(path) if path else "configuration")) from exc
+    return config
+
+
+def format_validation_error(exc: ValidationError, *, source: str) -> str:
+    lines = [f"invalid {source}:"]
+    for error in exc.errors():
+        loc = _dotted(error["loc"])
+        lines.append(f"  {loc or '(top level)'}: {error['msg']}")
+    return "\n".join(lines)
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("reference", "deepinfer", "lmdeploy") and out.endswith("]"):
+            continue  # pydantic's discriminated-union tag adds noise, not a key
+        else:
+            out += f".{part}" if out else str(part)
+    return out

@@ -1,0 +1,156 @@
+"""Prometheus metrics, named like vLLM's so dashboards carry over, labelled by model and backend."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from backends.interface import Backend
+
+TTFT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class GatewayMetrics:
+    """One registry per app, so several apps (tests) never share counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ("model", "backend")
+        r = self.registry
+        self.requests = Counter(
+            "gateway_requests", "Finished requests by HTTP status.", (*labels, "status"), registry=r
+        )
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "gateway_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            labels,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "gateway_e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("gateway_generation_tokens", "Tokens generated.", labels, registry=r)
+        self.in_flight = Gauge("gateway_requests_in_flight", "Requests being served.", labels, registry=r)
+        self.errors = Counter(
+            "gateway_request_errors", "Requests that ended in an error, by error code.", (*labels, "code"), registry=r
+        )
+
+    def watch_backends(self, backends: Iterable[Backend]) -> None:
+        self.registry.register(_BackendCollector(list(backends)))
+
+    def observer(self, model: str, backend: str, log: dict[str, object]) -> RequestObserver:
+        return RequestObserver(self, model, backend, log)
+
+
+class RequestObserver:
+    """Times one request and records it once, whatever way it ends."""
+
+    __slots__ = ("_done", "_labels", "_metrics", "backend", "first_token_at", "log", "model", "started")
+
+    def __init__(self, metrics: GatewayMetrics, model: str, backend: str, log: dict[str, object]) -> None:
+        self._metrics = metrics
+        self.model = model
+        self.backend = backend
+        self.log = log
+        self._labels = (model, backend)
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        self._done = False
+        log["model"] = model
+        log["backend"] = backend
+        metrics.in_flight.labels(*self._labels).inc()
+
+    def first_token(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def finish(self, status: int, prompt_tokens: int = 0, completion_tokens: int = 0, code: str | None = None) -> None:
+        if self._done:
+            return
+        self._done = True
+        m, labels = self._metrics, self._labels
+        now = time.perf_counter()
+        m.in_flight.labels(*labels).dec()
+        m.requests.labels(*labels, str(status)).inc()
+        e2e = now - self.started
+        m.e2e.labels(*labels).observe(e2e)
+        self.log["status"] = status
+        self.log["e2e_ms"] = round(e2e * 1000, 3)
+        if code is not None or status >= 400:
+            m.errors.labels(*labels, code or str(status)).inc()
+            self.log["error_code"] = code
+        if prompt_tokens:
+            m.prompt_tokens.labels(*labels).inc(prompt_tokens)
+            self.log["prompt_tokens"] = prompt_tokens
+        if completion_tokens:
+            m.generation_tokens.labels(*labels).inc(completion_tokens)
+            self.log["completion_tokens"] = completion_tokens
+        if self.first_token_at is not None:
+            ttft = self.first_token_at - self.started
+            m.ttft.labels(*labels).observe(ttft)
+            self.log["ttft_ms"] = round(ttft * 1000, 3)
+            if completion_tokens > 1:
+                m.tpot.labels(*labels).observe((now - self.first_token_at) / (completion_tokens - 1))
+
+
+class _BackendCollector(Collector):
+    """Reads engine-driver counters at scrape time instead of updating metrics on the engine thread."""
+
+    def __init__(self, backends: list[Backend]) -> None:
+        self._backends = backends
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        ready = GaugeMetricFamily("gateway_backend_ready", "1 when the backend can take requests.", labels=["backend"])
+        steps = CounterMetricFamily("gateway_engine_steps", "Engine steps driven.", labels=["backend"])
+        tokens = CounterMetricFamily("gateway_engine_output_tokens", "Tokens read from the engine.", labels=["backend"])
+        busy = CounterMetricFamily(
+            "gateway_engine_busy_seconds", "Engine-thread time in step() and output reading.", labels=["backend"]
+        )
+        running = GaugeMetricFamily(
+            "gateway_engine_requests", "Requests registered with the engine driver.", labels=["backend"]
+        )
+        for backend in self._backends:
+            ready.add_metric([backend.name], 1.0 if backend.readiness()[0] else 0.0)
+            driver = getattr(backend, "driver", None)
+            if driver is not None:
+                steps.add_metric([backend.name], driver.stats.steps)
+                tokens.add_metric([backend.name], driver.stats.tokens)
+                busy.add_metric([backend.name], driver.stats.busy_seconds)
+                running.add_metric([backend.name], driver.in_flight)
+        yield from (ready, steps, tokens, busy, running)

@@ -1,0 +1,209 @@
+"""Pydantic models of the OpenAI request bodies this gateway accepts.
+
+Validation happens once per request at the HTTP boundary. Parameters the backends cannot honour are accepted
+at their default values and rejected with a 400 naming them otherwise: silence would be a wrong answer.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_SEQUENCES = 16
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported by this model; send text")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError("a text content part needs a string 'text'")
+        return value
+
+    @model_validator(mode="after")
+    def _content_rules(self) -> ChatMessage:
+        if self.role in ("system", "developer", "user") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool":
+            raise ValueError("tool messages need tool support, which this model does not offer yet")
+        if self.tool_calls:
+            raise ValueError("assistant tool_calls need tool support, which this model does not offer yet")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n\n".join(part["text"] for part in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and completions."""
+
+    model: str = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="extension: sample among the k most likely tokens")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=128)
+    user: str | None = None
+    ignore_eos: bool = Field(False, description="extension: generate until max_tokens even past end-of-sequence")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list):
+            if len(value) > MAX_STOP_SEQUENCES:
+                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+            if any(not s for s in value):
+                raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported_sampling(self) -> _Sampling:
+        for field in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, field):
+                raise UnsupportedParameter(field, "penalties are not supported by this backend; leave it at 0")
+        if self.logit_bias:
+            raise UnsupportedParameter("logit_bias", "logit_bias is not supported by this backend")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def top_k_value(self) -> int | None:
+        return None if self.top_k in (None, 0, -1) else self.top_k
+
+
+class UnsupportedParameter(ValueError):
+    """Raised inside validators; the message names the parameter so the 400 does too."""
+
+    def __init__(self, param: str, why: str) -> None:
+        super().__init__(f"{param}: {why}")
+        self.param = param
+        self.why = why
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Accepted at their defaults only (see the validator).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise UnsupportedParameter("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.tools or self.functions:
+            raise UnsupportedParameter("tools", "tool calling is not supported by this model yet")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise UnsupportedParameter("tool_choice", "tool calling is not supported by this model yet")
+        if self.function_call not in (None, "none", "auto"):
+            raise UnsupportedParameter("function_call", "function calling is not supported by this model")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise UnsupportedParameter("response_format", "only response_format type 'text' is supported yet")
+        if self.reasoning_effort not in (None, "none", "minimal"):
+            raise UnsupportedParameter(
+                "reasoning_effort", "reasoning (thinking mode) is not supported by this model yet"
+            )
+        if self.modalities not in (None, ["text"]):
+            raise UnsupportedParameter("modalities", "only the text modality is supported")
+        if self.audio:
+            raise UnsupportedParameter("audio", "audio output is not supported")
+        if self.prediction:
+            raise UnsupportedParameter("prediction", "predicted outputs are not supported")
+        if self.web_search_options is not None:
+            raise UnsupportedParameter("web_search_options", "web search is not supported")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise UnsupportedParameter("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+        return self
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
+
+    @model_validator(mode="after")
+    def _completion_rules(self) -> CompletionRequest:
+        if self.suffix:
+            raise UnsupportedParameter("suffix", "suffix (fill-in-the-middle) is not supported by this model")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedParameter("best_of", "best_of other than n is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise UnsupportedParameter("prompt", "the prompt list is empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def prompt_count(self) -> int:
+        return len(self.prompts())

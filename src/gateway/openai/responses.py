@@ -1,0 +1,221 @@
+"""Builds OpenAI response bodies and stream frames from backend events, as plain dicts and orjson bytes.
+
+This is the per-step hot path: one dict and one ``orjson.dumps`` per frame, no pydantic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from backends.interface import Delta, Finish, PromptEcho, TokenLogprob, Usage
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+def sse_frame(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def usage_dict(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": e.bytes,
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in e.top],
+        }
+        for e in entries
+    ]
+
+
+class ChatFormat:
+    """``chat.completion`` responses and ``chat.completion.chunk`` frames for one request."""
+
+    def __init__(self, response_id: str, created: int, model: str, fingerprint: str, n: int) -> None:
+        self.id = response_id
+        self.created = created
+        self.model = model
+        self.fingerprint = fingerprint
+        self.n = n
+        self._role_sent = [False] * n
+        self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._logprobs: list[list[dict[str, Any]] | None] = [None] * n
+        self._finish: list[str] = ["stop"] * n
+
+    # streaming
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+        }
+
+    def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None:
+        index = event.index
+        if isinstance(event, Delta):
+            delta: dict[str, Any] = {"content": event.text}
+            if not self._role_sent[index]:
+                self._role_sent[index] = True
+                delta = {"role": "assistant", "content": event.text}
+            logprobs = {"content": chat_logprobs(event.logprobs), "refusal": None} if event.logprobs else None
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            return sse_frame(self._chunk([choice]))
+        if isinstance(event, Finish):
+            delta = {} if self._role_sent[index] else {"role": "assistant", "content": ""}
+            self._role_sent[index] = True
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": event.reason}
+            return sse_frame(self._chunk([choice]))
+        return None
+
+    def usage_frame(self, usage: Usage) -> bytes:
+        payload = self._chunk([])
+        payload["usage"] = usage_dict(usage)
+        return sse_frame(payload)
+
+    # whole response
+    def add(self, event: Delta | Finish | PromptEcho) -> None:
+        if isinstance(event, Delta):
+            self._texts[event.index].append(event.text)
+            if event.logprobs:
+                collected = self._logprobs[event.index]
+                if collected is None:
+                    collected = self._logprobs[event.index] = []
+                collected.extend(chat_logprobs(event.logprobs))
+        elif isinstance(event, Finish):
+            self._finish[event.index] = event.reason
+
+    def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]:
+        choices = []
+        for i in range(self.n):
+            logprobs = None
+            if want_logprobs:
+                logprobs = {"content": self._logprobs[i] or [], "refusal": None}
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(self._texts[i]), "refusal": None},
+                    "logprobs": logprobs,
+                    "finish_reason": self._finish[i],
+                }
+            )
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage_dict(usage)
+        return body
+
+
+class CompletionFormat:
+    """``text_completion`` responses and frames; choice indexes are ``prompt_index * n + i``."""
+
+    def __init__(self, response_id: str, created: int, model: str, fingerprint: str, choices: int) -> None:
+        self.id = response_id
+        self.created = created
+        self.model = model
+        self.fingerprint = fingerprint
+        self.choices = choices
+        self._texts: list[list[str]] = [[] for _ in range(choices)]
+        self._offsets = [0] * choices
+        self._logprobs: list[dict[str, list[Any]] | None] = [None] * choices
+        self._finish: list[str] = ["stop"] * choices
+
+    def _logprob_block(self, index: int, text_start: int, entries: Sequence[TokenLogprob]) -> dict[str, list[Any]]:
+        offsets = []
+        offset = text_start
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": [choice],
+        }
+
+    def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None:
+        index = event.index
+        if isinstance(event, Delta | PromptEcho):
+            logprobs = None
+            if isinstance(event, Delta) and event.logprobs:
+                logprobs = self._logprob_block(index, self._offsets[index], event.logprobs)
+            self._offsets[index] += len(event.text)
+            choice = {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}
+            return sse_frame(self._chunk(choice))
+        if isinstance(event, Finish):
+            return sse_frame(self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": event.reason}))
+        return None
+
+    def usage_frame(self, usage: Usage) -> bytes:
+        payload = self._chunk({})
+        payload["choices"] = []
+        payload["usage"] = usage_dict(usage)
+        return sse_frame(payload)
+
+    def add(self, event: Delta | Finish | PromptEcho) -> None:
+        index = event.index
+        if isinstance(event, Delta | PromptEcho):
+            if isinstance(event, Delta) and event.logprobs:
+                block = self._logprob_block(index, self._offsets[index], event.logprobs)
+                collected = self._logprobs[index]
+                if collected is None:
+                    self._logprobs[index] = block
+                else:
+                    for key, values in block.items():
+                        collected[key].extend(values)
+            self._texts[index].append(event.text)
+            self._offsets[index] += len(event.text)
+        elif isinstance(event, Finish):
+            self._finish[index] = event.reason
+
+    def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]:
+        empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        choices = [
+            {
+                "index": i,
+                "text": "".join(self._texts[i]),
+                "logprobs": (self._logprobs[i] or empty) if want_logprobs else None,
+                "finish_reason": self._finish[i],
+            }
+            for i in range(self.choices)
+        ]
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage_dict(usage)
+        return body

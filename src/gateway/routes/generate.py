@@ -1,0 +1,111 @@
+"""``/v1/chat/completions`` and ``/v1/completions``: OpenAI JSON in, backend events out, OpenAI JSON back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from backends.interface import Backend, GenerateRequest, SamplingOptions
+from gateway.errors import APIError
+from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai.responses import ChatFormat, CompletionFormat
+from gateway.state import GatewayState, gateway_state
+from gateway.streaming import merge_prompts, stream_response, whole_response
+
+router = APIRouter(tags=["generation"])
+
+MAX_PROMPTS = 64
+
+
+def _check_n(n: int, state: GatewayState) -> None:
+    if n > state.config.server.max_n:
+        raise APIError(400, f"n must be at most {state.config.server.max_n}.", param="n")
+
+
+def _fingerprint(backend: Backend) -> str:
+    return getattr(backend, "fingerprint", None) or f"fp_{backend.kind}"
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = gateway_state(request)
+    _check_n(body.n, state)
+    backend = state.router.route(body.model)
+    top_logprobs = body.top_logprobs or 0
+    generate = GenerateRequest(
+        request_id=request.state.request_id,
+        model=body.model,
+        messages=[m.model_dump(exclude_none=True) for m in body.messages],
+        sampling=SamplingOptions(
+            max_tokens=body.output_limit(),
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k_value(),
+            seed=body.seed,
+            stop=body.stop_list(),
+            ignore_eos=body.ignore_eos,
+            logprobs=body.logprobs,
+            top_logprobs=top_logprobs,
+        ),
+        n=body.n,
+        user=body.user,
+    )
+    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, _fingerprint(backend), body.n)
+    observer = state.metrics.observer(body.model, backend.name, request.state.log)
+    headers = {"X-Backend": backend.name}
+    events = backend.generate(generate)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_response(request, events, fmt, observer, include_usage=include_usage, headers=headers)
+    return await whole_response(request, events, fmt, observer, want_logprobs=body.logprobs, headers=headers)
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = gateway_state(request)
+    _check_n(body.n, state)
+    prompts = body.prompts()
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts are allowed in one request.", param="prompt")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported yet.", param="echo")
+    backend = state.router.route(body.model)
+    sampling = SamplingOptions(
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k_value(),
+        seed=body.seed,
+        stop=body.stop_list(),
+        ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs is not None,
+        top_logprobs=body.logprobs or 0,
+    )
+    streams = [
+        backend.generate(
+            GenerateRequest(
+                request_id=request.state.request_id,
+                model=body.model,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=prompt if isinstance(prompt, list) else None,
+                sampling=sampling,
+                n=body.n,
+                echo=body.echo,
+                user=body.user,
+            )
+        )
+        for prompt in prompts
+    ]
+    events = streams[0] if len(streams) == 1 else merge_prompts(streams, body.n)
+    choices = len(prompts) * body.n
+    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, _fingerprint(backend), choices)
+    observer = state.metrics.observer(body.model, backend.name, request.state.log)
+    headers = {"X-Backend": backend.name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_response(request, events, fmt, observer, include_usage=include_usage, headers=headers)
+    want_logprobs = body.logprobs is not None
+    return await whole_response(request, events, fmt, observer, want_logprobs=want_logprobs, headers=headers)

@@ -1,0 +1,30 @@
+"""``/v1/models``: every served model name once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from backends.errors import ModelNotFoundError
+from gateway.state import GatewayState, gateway_state
+
+router = APIRouter(tags=["models"])
+
+
+def _model_card(state: GatewayState, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": state.started_at, "owned_by": "deepinfer-gateway"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = gateway_state(request)
+    return {"object": "list", "data": [_model_card(state, name) for name in state.router.model_names]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    state = gateway_state(request)
+    if model_id not in state.router.model_names:
+        raise ModelNotFoundError(f"The model '{model_id}' does not exist or you do not have access to it.")
+    return _model_card(state, model_id)

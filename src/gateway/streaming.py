@@ -1,0 +1,214 @@
+"""Running a backend's event stream for one HTTP request: SSE or a whole response, and client disconnects.
+
+Starlette does not cancel a handler when its client goes away, so every wait that can be long (the first
+token, a whole non-streamed completion) races against the ``http.disconnect`` message. When the client
+wins, the event iterator is closed, which aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Protocol, TypeVar
+
+import orjson
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from backends.errors import BackendError
+from backends.interface import Delta, Event, Finish, PromptEcho, Usage
+from gateway.errors import api_error_from_backend, error_payload
+from gateway.metrics import RequestObserver
+from gateway.openai.responses import DONE_FRAME, sse_frame
+
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
+
+
+class ClientDisconnectedError(Exception):
+    pass
+
+
+class OpenAIFormat(Protocol):
+    def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None: ...
+    def usage_frame(self, usage: Usage) -> bytes: ...
+    def add(self, event: Delta | Finish | PromptEcho) -> None: ...
+    def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]: ...
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Awaits ``awaitable`` unless the client disconnects first, in which case it is cancelled."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, BackendError):
+        await work
+    raise ClientDisconnectedError
+
+
+async def _first_token_events(events: AsyncIterator[Event]) -> list[Event]:
+    """Pulls events up to and including the first that carries output, so the first frame is real."""
+    head: list[Event] = []
+    async for event in events:
+        head.append(event)
+        if not isinstance(event, PromptEcho):
+            break
+    return head
+
+
+def error_frame(exc: BackendError) -> bytes:
+    error = api_error_from_backend(exc)
+    return sse_frame(error_payload(error.message, error.type, error.param, error.code))
+
+
+async def stream_response(
+    request: Request,
+    events: AsyncIterator[Event],
+    fmt: OpenAIFormat,
+    observer: RequestObserver,
+    *,
+    include_usage: bool,
+    headers: dict[str, str],
+) -> Response:
+    """SSE response. Errors before the first token are plain HTTP errors; later ones are an error frame
+    followed by ``[DONE]``."""
+    try:
+        head = await unless_disconnected(request, _first_token_events(events))
+    except BaseException as exc:
+        await events.aclose()
+        _observe_failure(observer, exc)
+        raise
+
+    async def frames() -> AsyncIterator[bytes]:
+        usage: Usage | None = None
+        status = 200
+        code: str | None = None
+
+        def render(event: Event) -> bytes | None:
+            nonlocal usage
+            if isinstance(event, Usage):
+                usage = event
+                return fmt.usage_frame(event) if include_usage else None
+            if isinstance(event, Delta):
+                observer.first_token()
+            return fmt.frame(event)
+
+        try:
+            for event in head:
+                frame = render(event)
+                if frame is not None:
+                    yield frame
+            async for event in events:
+                frame = render(event)
+                if frame is not None:
+                    yield frame
+        except BackendError as exc:
+            error = api_error_from_backend(exc)
+            status, code = error.status, error.code or error.type
+            yield error_frame(exc)
+        except (asyncio.CancelledError, GeneratorExit):
+            status, code = CLIENT_CLOSED_REQUEST, "client_disconnected"
+            raise
+        finally:
+            await events.aclose()
+            observer.finish(status, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0, code)
+        yield DONE_FRAME
+
+    return EventSourceResponse(frames(), headers=headers, ping=15)
+
+
+async def whole_response(
+    request: Request,
+    events: AsyncIterator[Event],
+    fmt: OpenAIFormat,
+    observer: RequestObserver,
+    *,
+    want_logprobs: bool,
+    headers: dict[str, str],
+) -> Response:
+    async def collect() -> Usage | None:
+        usage = None
+        async for event in events:
+            if isinstance(event, Usage):
+                usage = event
+            else:
+                if isinstance(event, Delta):
+                    observer.first_token()
+                fmt.add(event)
+        return usage
+
+    try:
+        usage = await unless_disconnected(request, collect())
+    except BaseException as exc:
+        _observe_failure(observer, exc)
+        raise
+    finally:
+        await events.aclose()
+    observer.finish(200, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
+    body = orjson.dumps(fmt.response(usage, want_logprobs))
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def _observe_failure(observer: RequestObserver, exc: BaseException) -> None:
+    if isinstance(exc, ClientDisconnectedError | asyncio.CancelledError):
+        observer.finish(CLIENT_CLOSED_REQUEST, code="client_disconnected")
+    elif isinstance(exc, BackendError):
+        error = api_error_from_backend(exc)
+        observer.finish(error.status, code=error.code or error.type)
+    else:
+        observer.finish(500, code="internal_error")
+
+
+async def merge_prompts(streams: list[AsyncIterator[Event]], n: int) -> AsyncIterator[Event]:
+    """Runs one event stream per prompt concurrently, renumbering choices ``prompt_index * n + i`` and
+    adding the usages up, as OpenAI does for a list of prompts."""
+    queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Event]) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((index, event))
+        except BackendError as exc:
+            queue.put_nowait((index, exc))
+        else:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining, prompt_tokens, completion_tokens = len(streams), 0, 0
+        while remaining:
+            index, event = await queue.get()
+            if event is None:
+                remaining -= 1
+            elif isinstance(event, BaseException):
+                raise event
+            elif isinstance(event, Usage):
+                prompt_tokens += event.prompt_tokens
+                completion_tokens += event.completion_tokens
+            else:
+                yield event._replace(index=index * n + event.index)
+        yield Usage(prompt_tokens, completion_tokens)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]

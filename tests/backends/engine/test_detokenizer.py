@@ -1,0 +1,67 @@
+"""Incremental detokenization never splits a UTF-8 character and equals a full decode, for any split."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from backends.engine.detokenizer import ByteLevelDetokenizer, DecodingDetokenizer, TokenTable
+from backends.reference.artifacts import load_or_build
+
+
+@pytest.fixture(scope="module")
+def table() -> TokenTable:
+    return TokenTable(load_or_build().tokenizer)
+
+
+def decode_in_steps(table: TokenTable, ids: list[int], step_sizes: list[int]) -> list[str]:
+    detok = table.new_detokenizer()
+    pieces, at = [], 0
+    for size in step_sizes or [len(ids)]:
+        pieces.append(detok.push(ids[at : at + max(size, 1)]))
+        at += max(size, 1)
+    if at < len(ids):
+        pieces.append(detok.push(ids[at:]))
+    pieces.append(detok.flush())
+    return pieces
+
+
+def test_reference_tokenizer_gets_the_exact_byte_level_path(table: TokenTable) -> None:
+    assert table.byte_level
+    assert isinstance(table.new_detokenizer(), ByteLevelDetokenizer)
+
+
+def test_emoji_split_over_byte_tokens_is_emitted_whole(table: TokenTable) -> None:
+    text = "go \U0001f680\U0001f30d now"
+    ids = table.tokenizer.encode(text, add_special_tokens=False).ids
+    pieces = decode_in_steps(table, ids, [1] * len(ids))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_special_tokens_are_skipped_but_think_tags_are_kept(table: TokenTable) -> None:
+    tokenizer = table.tokenizer
+    bos, eos = 0, 1
+    think = tokenizer.token_to_id("<think>")
+    ids = [bos, *tokenizer.encode("hi", add_special_tokens=False).ids, think, eos]
+    assert "".join(decode_in_steps(table, ids, [1] * len(ids))) == "hi<think>"
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=60), steps=st.lists(st.integers(1, 4), max_size=30))
+def test_any_step_split_equals_a_full_decode(table: TokenTable, text: str, steps: list[int]) -> None:
+    ids = table.tokenizer.encode(text, add_special_tokens=False).ids
+    assert "".join(decode_in_steps(table, ids, steps)) == table.tokenizer.decode(ids)
+
+
+def test_tokenizers_without_byte_level_vocabulary_use_the_decoding_path() -> None:
+    vocab = {"[UNK]": 0, "h": 1, "é": 2, "llo": 3, "▁": 4}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.Metaspace()
+    table = TokenTable(tokenizer)
+    detok = table.new_detokenizer()
+    assert isinstance(detok, DecodingDetokenizer)
+    assert detok.push([1]) + detok.push([2, 3]) + detok.flush() == tokenizer.decode([1, 2, 3])

@@ -1,0 +1,122 @@
+"""Shared fixtures: real gateways on loopback (uvicorn on a random port), clients, schema validators."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from backends.interface import Backend
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.state import GatewayState
+
+from .conformance import OpenAISchemas
+
+MODEL = "deepinfer-reference"
+TINY_MODEL = "tiny-context"
+TINY_CONTEXT = 64
+
+
+@dataclass
+class RunningGateway:
+    base_url: str
+    app: FastAPI
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def state(self) -> GatewayState:
+        return self.app.state.gateway
+
+    def engine_unfinished(self, backend: str = "reference") -> int:
+        engine = self.state.backends[backend].driver.engine  # type: ignore[attr-defined]
+        return engine.get_num_unfinished_requests()
+
+    def driver_in_flight(self, backend: str = "reference") -> int:
+        return self.state.backends[backend].driver.in_flight  # type: ignore[attr-defined]
+
+
+def start_gateway(
+    config: GatewayConfig,
+    *,
+    backends: Mapping[str, Backend] | None = None,
+    wait_for: str = "/ready",
+    ready_timeout: float = 180.0,
+) -> RunningGateway:
+    """Runs uvicorn in a thread on 127.0.0.1 with a kernel-chosen port and waits until ``wait_for`` is 200."""
+    app = create_app(config, backends)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}{wait_for}", timeout=2).status_code == 200:
+                return RunningGateway(base_url, app, server, thread)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    server.should_exit = True
+    raise RuntimeError(f"gateway at {base_url} did not become ready in {ready_timeout} s")
+
+
+def stop_gateway(gateway: RunningGateway) -> None:
+    gateway.server.should_exit = True
+    gateway.thread.join(timeout=30)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture(scope="session")
+def gateway() -> Iterator[RunningGateway]:
+    """The default reference model plus a tiny-context one, in one real server."""
+    config = GatewayConfig(
+        backends=[
+            {"name": "reference", "kind": "reference"},
+            {"name": "tiny", "kind": "reference", "max_model_len": TINY_CONTEXT},
+        ],
+        models=[
+            {"name": MODEL, "backends": ["reference"]},
+            {"name": TINY_MODEL, "backends": ["tiny"]},
+        ],
+    )
+    running = start_gateway(config)
+    yield running
+    stop_gateway(running)
+
+
+@pytest.fixture(scope="session")
+def client(gateway: RunningGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def http(gateway: RunningGateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.base_url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def schemas() -> OpenAISchemas:
+    return OpenAISchemas.load()
