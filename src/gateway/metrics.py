@@ -140,7 +140,10 @@ class _BackendCollector(Collector):
         steps = CounterMetricFamily("gateway_engine_steps", "Engine steps driven.", labels=["backend"])
         tokens = CounterMetricFamily("gateway_engine_output_tokens", "Tokens read from the engine.", labels=["backend"])
         busy = CounterMetricFamily(
-            "gateway_engine_busy_seconds", "Engine-thread time in step() and output reading.", labels=["backend"]
+            "gateway_engine_busy_seconds", "Engine-thread time not spent waiting for work.", labels=["backend"]
+        )
+        inside = CounterMetricFamily(
+            "gateway_engine_step_seconds", "Engine-thread time inside step() and flush.", labels=["backend"]
         )
         running = GaugeMetricFamily(
             "gateway_engine_requests", "Requests registered with the engine driver.", labels=["backend"]
@@ -152,5 +155,6 @@ class _BackendCollector(Collector):
                 steps.add_metric([backend.name], driver.stats.steps)
                 tokens.add_metric([backend.name], driver.stats.tokens)
                 busy.add_metric([backend.name], driver.stats.busy_seconds)
+                inside.add_metric([backend.name], driver.stats.engine_seconds)
                 running.add_metric([backend.name], driver.in_flight)
-        yield from (ready, steps, tokens, busy, running)
+        yield from (ready, steps, tokens, busy, inside, running)

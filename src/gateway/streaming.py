@@ -8,7 +8,6 @@ wins, the event iterator is closed, which aborts the engine request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol, TypeVar
 
@@ -51,17 +50,14 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        work.cancel()
-        raise
     finally:
         watcher.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, BackendError):
-        await work
-    raise ClientDisconnectedError
+        if not work.done():  # the client left, or we are cancelled: stop the work and let it close its iterator
+            work.cancel()
+            await asyncio.wait((work,))
+    if work.cancelled():
+        raise ClientDisconnectedError
+    return work.result()
 
 
 async def _first_token_events(events: AsyncIterator[Event]) -> list[Event]:

@@ -53,7 +53,9 @@ class DriverStats:
     steps: int = 0
     tokens: int = 0
     busy_seconds: float = 0.0
-    """Engine-thread time spent in step/flush and reading outputs."""
+    """Engine-thread time not spent waiting for work: engine calls plus the driver's own bookkeeping."""
+    engine_seconds: float = 0.0
+    """The part of ``busy_seconds`` spent inside the engine's ``step()`` / ``flush_inflight_reqs()``."""
 
 
 class EngineDriver:
@@ -177,6 +179,7 @@ class EngineDriver:
         dispatch = self._dispatch
         needs_flush = False
         command: _Add | _Abort | _Stop | None = None
+        awake = clock()
         while True:
             errors: list[tuple[str, BackendError]] = []
             aborts: list[str] = []
@@ -199,7 +202,7 @@ class EngineDriver:
                 command = None
             if aborts:
                 engine.abort_request(aborts)
-            started = clock()
+            before_step = clock()
             if engine.has_unfinished_requests():
                 outputs = engine.step()
                 needs_flush = True
@@ -209,13 +212,19 @@ class EngineDriver:
             else:
                 if errors:
                     loop.call_soon_threadsafe(dispatch, (), errors)
+                stats.busy_seconds += clock() - awake
                 command = inbox.get()  # idle: block until there is work
+                awake = clock()
                 continue
-            stats.busy_seconds += clock() - started
+            after_step = clock()
             stats.steps += 1
             if outputs or errors:
                 stats.tokens += len(outputs)
                 loop.call_soon_threadsafe(dispatch, outputs, errors)
+            now = clock()
+            stats.engine_seconds += after_step - before_step
+            stats.busy_seconds += now - awake
+            awake = now
 
 
 def _add(engine: Engine, command: _Add) -> BackendError | None:

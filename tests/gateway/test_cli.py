@@ -1,0 +1,81 @@
+"""The ``deepinfer-gateway`` command as a user runs it: ``serve`` with defaults and a file, ``config check``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+CLI = [sys.executable, "-m", "gateway.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_with_no_config_serves_the_reference_engine_on_the_given_port(tmp_path: Path) -> None:
+    port = _free_port()
+    log = (tmp_path / "serve.log").open("wb")
+    process = subprocess.Popen([*CLI, "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["deepinfer-reference"]
+        reply = client.chat.completions.create(
+            model="deepinfer-reference", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content is not None
+    finally:
+        process.terminate()
+        process.wait(timeout=30)  # uvicorn re-raises SIGTERM after a graceful shutdown
+    lines = (tmp_path / "serve.log").read_text().splitlines()
+    assert any("Application shutdown complete" in line for line in lines), "SIGTERM shuts down gracefully"
+    assert any('"path":"/v1/chat/completions"' in line and '"status":200' in line for line in lines)
+
+
+def test_config_check_prints_the_resolved_config_with_the_environment_applied(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "backends:\n  - name: ref\n    kind: reference\n    max_model_len: 1024\n"
+        "models:\n  - name: my-model\n    backends: [ref]\n"
+    )
+    env = {**os.environ, "GATEWAY_SERVER__PORT": "9123"}
+    result = subprocess.run([*CLI, "config", "check", str(config)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "port: 9123" in result.stdout
+    assert "max_model_len: 1024" in result.stdout
+
+
+def test_config_check_names_every_bad_key(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "server:\n  port: seventy\nbackends:\n  - name: ref\n    kind: reference\n    max_num_seqs: 0\n"
+        "models:\n  - name: m\n    backends: [ref]\n"
+    )
+    result = subprocess.run([*CLI, "config", "check", str(config)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "server.port" in result.stderr
+    assert "backends[0].max_num_seqs" in result.stderr
+
+
+def test_serve_refuses_a_config_that_references_an_unknown_backend(tmp_path: Path) -> None:
+    config = tmp_path / "dangling.yaml"
+    config.write_text("backends:\n  - name: ref\n    kind: reference\nmodels:\n  - name: m\n    backends: [nope]\n")
+    result = subprocess.run([*CLI, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "unknown backend 'nope'" in result.stderr
