@@ -14,7 +14,11 @@ PromptKind = Literal["chat", "text", "tokens"]
 
 @dataclass(slots=True)
 class SamplingOptions:
-    """Sampling as the client asked for it; ``None`` means the backend's default."""
+    """Sampling as the client asked for it; ``None`` means the backend's default.
+
+    Not every backend honours every field: each backend checks with ``reject_unsupported`` and answers a field it
+    cannot honour, set to a non-default value, with a 400 naming it.
+    """
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -25,6 +29,16 @@ class SamplingOptions:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+
+
+SAMPLING_DEFAULTS = SamplingOptions()
 
 
 @dataclass(slots=True)
@@ -44,6 +58,13 @@ class GenerateRequest:
     echo: bool = False
     deadline: float | None = None  # time.monotonic() value after which the work is abandoned
     user: str | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI tools list
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI response_format (text | json_object | json_schema ...)
+    thinking: bool | None = None  # None: the backend's documented default
+    reasoning_effort: str | int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def kind(self) -> PromptKind:
@@ -67,12 +88,23 @@ class TokenLogprob(NamedTuple):
     top: list[TopLogprob]
 
 
+class ToolCallDelta(NamedTuple):
+    """A piece of one tool call; ``id`` and ``name`` come with the call's first piece, arguments may follow."""
+
+    index: int  # position of the call within its choice
+    id: str | None
+    name: str | None
+    arguments: str
+
+
 class Delta(NamedTuple):
     """New output of one choice since the previous event (usually one engine step's worth)."""
 
     index: int
     text: str
     logprobs: Sequence[TokenLogprob] | None = None
+    reasoning: str = ""
+    tool_calls: Sequence[ToolCallDelta] | None = None
 
 
 class Finish(NamedTuple):
@@ -98,6 +130,46 @@ class PromptEcho(NamedTuple):
 
 
 Event = Delta | Finish | Usage | PromptEcho
+
+REQUEST_FEATURES = ("tools", "tool_choice", "response_format", "thinking", "reasoning_effort", "chat_template_kwargs")
+
+
+def reject_unsupported(request: GenerateRequest, *, sampling: frozenset[str], features: frozenset[str]) -> None:
+    """Raises a 400-class error naming the first field set to a value the backend cannot honour.
+
+    ``sampling`` names the ``SamplingOptions`` fields the backend honours beyond the basics; ``features`` the
+    request-level features (``REQUEST_FEATURES``) it supports. Default values are always accepted.
+    """
+    from backends.errors import InvalidRequestError
+
+    options = request.sampling
+    for name in ("min_tokens", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
+        value = getattr(options, name)
+        if name not in sampling and value and value != getattr(SAMPLING_DEFAULTS, name):
+            raise InvalidRequestError(f"{name} is not supported by this backend; leave it at its default", param=name)
+    if "skip_special_tokens" not in sampling and not options.skip_special_tokens:
+        raise InvalidRequestError(
+            "skip_special_tokens=false is not supported by this backend", param="skip_special_tokens"
+        )
+    if "tools" not in features and request.messages:
+        for position, message in enumerate(request.messages):
+            if message.get("role") == "tool" or message.get("tool_calls"):
+                raise InvalidRequestError(
+                    "tool messages and tool calls are not supported by this backend yet", param=f"messages[{position}]"
+                )
+    for name in REQUEST_FEATURES:
+        value = getattr(request, name)
+        if name in features or value in (None, [], {}):
+            continue
+        if name == "tool_choice" and value in ("none", "auto"):
+            continue
+        if name == "response_format" and value.get("type", "text") == "text":
+            continue
+        if name == "thinking" and value is False:
+            continue
+        if name == "reasoning_effort" and value in ("none", "minimal"):
+            continue
+        raise InvalidRequestError(f"{name} is not supported by this backend yet", param=name)
 
 
 class Backend(Protocol):

@@ -30,6 +30,7 @@ from backends.interface import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    reject_unsupported,
 )
 
 LONG_PROMPT_CHARS = 16_384
@@ -44,6 +45,9 @@ class ChatTemplate(Protocol):
 
 class EngineBackend:
     """Serves requests from one in-process engine driven by an ``EngineDriver``."""
+
+    supported_sampling: frozenset[str] = frozenset()
+    supported_features: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -97,6 +101,7 @@ class EngineBackend:
         table = self._table
         engine = self.driver.engine
         assert table is not None and engine is not None
+        reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
         prompt_ids = await self._prompt_ids(request, engine)
         max_tokens = _resolve_max_tokens(request, len(prompt_ids), engine.max_model_len)
         sampling = request.sampling

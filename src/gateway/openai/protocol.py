@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from backends.interface import SamplingOptions
+
 MAX_STOP_SEQUENCES = 16
 MAX_TOKENS_LIMIT = 2**31 - 1
 
@@ -43,10 +45,8 @@ class ChatMessage(_Body):
     def _content_rules(self) -> ChatMessage:
         if self.role in ("system", "developer", "user") and self.content is None:
             raise ValueError(f"a {self.role} message needs content")
-        if self.role == "tool":
-            raise ValueError("tool messages need tool support, which this model does not offer yet")
-        if self.tool_calls:
-            raise ValueError("assistant tool_calls need tool support, which this model does not offer yet")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
         return self
 
     def text(self) -> str:
@@ -79,6 +79,10 @@ class _Sampling(_Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="extension (vLLM, LMDeploy)")
+    min_p: float | None = Field(None, ge=0, le=1, description="extension (vLLM, LMDeploy)")
+    min_tokens: int | None = Field(None, ge=0, description="extension: generate at least this many tokens")
+    skip_special_tokens: bool = Field(True, description="extension: drop special tokens from the text")
 
     @field_validator("stop")
     @classmethod
@@ -90,15 +94,6 @@ class _Sampling(_Body):
                 raise ValueError("stop sequences must be non-empty strings")
         return value
 
-    @model_validator(mode="after")
-    def _unsupported_sampling(self) -> _Sampling:
-        for field in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, field):
-                raise UnsupportedParameter(field, "penalties are not supported by this backend; leave it at 0")
-        if self.logit_bias:
-            raise UnsupportedParameter("logit_bias", "logit_bias is not supported by this backend")
-        return self
-
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -106,6 +101,26 @@ class _Sampling(_Body):
 
     def top_k_value(self) -> int | None:
         return None if self.top_k in (None, 0, -1) else self.top_k
+
+    def sampling_options(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingOptions:
+        return SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k_value(),
+            seed=self.seed,
+            stop=self.stop_list(),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            min_tokens=self.min_tokens or 0,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=self.logit_bias or None,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
 
 class UnsupportedParameter(ValueError):
@@ -128,7 +143,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | int | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description='extension: e.g. {"thinking": true}')
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -146,18 +162,10 @@ class ChatCompletionRequest(_Sampling):
     def _chat_rules(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs requires logprobs to be true")
-        if self.tools or self.functions:
-            raise UnsupportedParameter("tools", "tool calling is not supported by this model yet")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise UnsupportedParameter("tool_choice", "tool calling is not supported by this model yet")
+        if self.functions:
+            raise UnsupportedParameter("functions", "the deprecated functions API is not supported; use tools")
         if self.function_call not in (None, "none", "auto"):
-            raise UnsupportedParameter("function_call", "function calling is not supported by this model")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise UnsupportedParameter("response_format", "only response_format type 'text' is supported yet")
-        if self.reasoning_effort not in (None, "none", "minimal"):
-            raise UnsupportedParameter(
-                "reasoning_effort", "reasoning (thinking mode) is not supported by this model yet"
-            )
+            raise UnsupportedParameter("function_call", "the deprecated functions API is not supported; use tools")
         if self.modalities not in (None, ["text"]):
             raise UnsupportedParameter("modalities", "only the text modality is supported")
         if self.audio:

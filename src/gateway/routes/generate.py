@@ -8,7 +8,7 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from backends.interface import Backend, GenerateRequest, SamplingOptions
+from backends.interface import Backend, GenerateRequest
 from gateway.errors import APIError
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.responses import ChatFormat, CompletionFormat
@@ -34,24 +34,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = gateway_state(request)
     _check_n(body.n, state)
     backend = state.router.route(body.model)
-    top_logprobs = body.top_logprobs or 0
     generate = GenerateRequest(
         request_id=request.state.request_id,
         model=body.model,
         messages=[m.model_dump(exclude_none=True) for m in body.messages],
-        sampling=SamplingOptions(
-            max_tokens=body.output_limit(),
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k_value(),
-            seed=body.seed,
-            stop=body.stop_list(),
-            ignore_eos=body.ignore_eos,
-            logprobs=body.logprobs,
-            top_logprobs=top_logprobs,
+        sampling=body.sampling_options(
+            max_tokens=body.output_limit(), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0
         ),
         n=body.n,
         user=body.user,
+        tools=body.tools,
+        tool_choice=body.tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=body.response_format,
+        reasoning_effort=body.reasoning_effort,
+        chat_template_kwargs=body.chat_template_kwargs,
     )
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, _fingerprint(backend), body.n)
     observer = state.metrics.observer(body.model, backend.name, request.state.log)
@@ -73,16 +70,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported yet.", param="echo")
     backend = state.router.route(body.model)
-    sampling = SamplingOptions(
-        max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k_value(),
-        seed=body.seed,
-        stop=body.stop_list(),
-        ignore_eos=body.ignore_eos,
-        logprobs=body.logprobs is not None,
-        top_logprobs=body.logprobs or 0,
+    sampling = body.sampling_options(
+        max_tokens=body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0
     )
     streams = [
         backend.generate(
