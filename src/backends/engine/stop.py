@@ -21,11 +21,15 @@ class StopMatcher:
         if not self._stops:
             return text, False
         buf = self._held + text
-        first = -1
+        # The stream stops where a stop string is first completed (earliest end, then earliest start), which
+        # gives the same answer however the text was split into deltas.
+        first, first_end = -1, -1
         for stop in self._stops:
             at = buf.find(stop)
-            if at != -1 and (first == -1 or at < first):
-                first = at
+            if at != -1:
+                end = at + len(stop)
+                if first == -1 or end < first_end or (end == first_end and at < first):
+                    first, first_end = at, end
         if first != -1:
             self._held = ""
             return buf[:first], True

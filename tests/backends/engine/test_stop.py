@@ -21,10 +21,11 @@ def run(chunks: list[str], stops: list[str]) -> tuple[str, bool]:
 
 
 def expected(text: str, stops: list[str]) -> tuple[str, bool]:
-    hits = [text.find(s) for s in stops if s and s in text]
+    """The text before the stop string that is completed first (earliest end, then earliest start)."""
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
     if not hits:
         return text, False
-    return text[: min(hits)], True
+    return text[: min(hits)[1]], True
 
 
 def test_stop_string_split_across_chunks_is_removed_and_ends_the_stream() -> None:
@@ -40,6 +41,11 @@ def test_partial_match_is_held_back_then_released_when_it_does_not_complete() ->
 
 def test_earliest_of_several_stop_strings_wins() -> None:
     assert run(["x", "yz-ab-cd"], ["cd", "ab"]) == ("xyz-", True)
+
+
+def test_the_stop_string_completed_first_wins_whatever_the_split() -> None:
+    assert run([" a", "a"], ["a", " aa"]) == (" ", True)
+    assert run([" aa"], ["a", " aa"]) == (" ", True)
 
 
 def test_held_text_is_flushed_at_end_of_sequence() -> None:
