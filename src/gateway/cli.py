@@ -39,6 +39,9 @@ def serve(
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from exc
     configure_logging(settings.server.log_level)
+    # The engine thread and the event loop share the GIL. With the default 5 ms switch interval, every numpy or
+    # C++ call that releases the GIL on the engine thread can wait up to 5 ms to get it back from a busy loop.
+    sys.setswitchinterval(settings.server.gil_switch_interval)
     uvicorn.run(
         create_app(settings),
         host=settings.server.host,

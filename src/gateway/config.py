@@ -28,6 +28,9 @@ class ServerConfig(BaseModel):
     access_log: bool = Field(True, description="one structured log line per request")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
     max_n: int = Field(16, ge=1, description="upper bound for the n parameter")
+    gil_switch_interval: float = Field(
+        0.0005, gt=0, le=0.1, description="seconds; short so the engine thread gets the GIL back quickly"
+    )
 
 
 class ModelConfig(BaseModel):

@@ -122,7 +122,10 @@ class EngineBackend:
 
         base = f"{request.request_id}#{next(self._ids)}"
         engine_ids = [f"{base}.{i}" for i in range(request.n)]
-        choices = [_Choice(table, table.new_detokenizer(), sampling.stop, sampling.logprobs) for _ in engine_ids]
+        choices = [
+            _Choice(index, table, table.new_detokenizer(), sampling.stop, sampling.logprobs)
+            for index in range(request.n)
+        ]
         live = set(engine_ids)
         try:
             for index, engine_id in enumerate(engine_ids):
@@ -146,7 +149,7 @@ class EngineBackend:
                         self.driver.abort([engine_ids[index]])
                     live.discard(engine_ids[index])
                 if delta is not None:
-                    yield delta._replace(index=index)
+                    yield delta
                 if finish is not None:
                     yield Finish(index, finish)
             yield Usage(len(prompt_ids), sum(c.tokens for c in choices))
@@ -205,9 +208,12 @@ def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len
 class _Choice:
     """Turns one engine request's outputs into text deltas: detokenize, match stops, format logprobs."""
 
-    __slots__ = ("_detok", "_logprobs", "_stop", "_table", "tokens")
+    __slots__ = ("_detok", "_logprobs", "_stop", "_table", "index", "tokens")
 
-    def __init__(self, table: TokenTable, detok: IncrementalDetokenizer, stops: list[str], logprobs: bool) -> None:
+    def __init__(
+        self, index: int, table: TokenTable, detok: IncrementalDetokenizer, stops: list[str], logprobs: bool
+    ) -> None:
+        self.index = index
         self._table = table
         self._detok = detok
         self._stop = StopMatcher(stops) if stops else None
@@ -236,7 +242,7 @@ class _Choice:
         logprobs = self._format_logprobs(real) if self._logprobs and real else None
         if not text and logprobs is None:
             return None, finish
-        return Delta(0, text, logprobs), finish
+        return Delta(self.index, text, logprobs), finish
 
     def _format_logprobs(self, outputs: Sequence[EngineOutput]) -> list[TokenLogprob]:
         text_of, bytes_of = self._table.text_of, self._table.raw_bytes_of
