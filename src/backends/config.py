@@ -26,6 +26,9 @@ class ReferenceBackendConfig(_Strict):
     kind: Literal["reference"] = "reference"
     max_model_len: int = Field(4096, ge=16)
     max_num_seqs: int = Field(256, ge=1)
+    max_in_flight: int | None = Field(1024, ge=1, description="requests admitted at once; null: no bound")
+    max_queue: int = Field(256, ge=0, description="requests that may wait for a slot; beyond: 503")
+    queue_timeout: float = Field(30.0, gt=0, description="longest wait for a slot before a 503")
     seed: int | None = Field(None, description="seed for requests that bring none; unset: random like DeepInfer")
     timing: TimingModel = TimingModel()
 

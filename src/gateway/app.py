@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from sse_starlette.sse import AppStatus
 
 from backends.interface import Backend
 from backends.registry import BackendKindUnavailableError, build_backend
 from gateway import __version__
+from gateway.admission import admitted
+from gateway.auth import ApiKeyMiddleware
 from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
+from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
 from gateway.router import ModelRouter
@@ -21,6 +26,7 @@ from gateway.routes import generate, models, operations
 from gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
+GC_GEN0_THRESHOLD = 10_000
 
 
 def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = None) -> FastAPI:
@@ -31,7 +37,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
         built: dict[str, Backend] = {}
         for backend_config in config.backends:
             try:
-                built[backend_config.name] = build_backend(backend_config)
+                built[backend_config.name] = admitted(build_backend(backend_config), backend_config)
             except BackendKindUnavailableError as exc:
                 start_errors[backend_config.name] = str(exc)
                 built[backend_config.name] = _UnavailableBackend(backend_config.name, backend_config.kind, str(exc))
@@ -44,11 +50,13 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
         router=ModelRouter(config.models, backends),
         metrics=metrics,
         start_errors=start_errors,
+        limits=KeyLimits(config.server),
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starting = asyncio.create_task(_start_backends(state))
+        starting.add_done_callback(_freeze_gc)
         try:
             yield
         finally:
@@ -56,18 +64,31 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
             await asyncio.gather(starting, return_exceptions=True)
             await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
 
+    # Streams end when they are done or when uvicorn's drain timeout cancels them, never at the first SIGTERM.
+    AppStatus.disable_automatic_graceful_drain()
     app = FastAPI(title="deepinfer-gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(generate.router)
     app.include_router(models.router)
     app.include_router(operations.router)
+    app.add_middleware(ApiKeyMiddleware, client_keys=config.server.client_keys(), admin_key=config.server.admin_api_key)
     app.add_middleware(
         RequestContextMiddleware,
         max_body_bytes=config.server.max_body_bytes,
         access_log=config.server.access_log,
+        draining=lambda: state.draining,
     )
     return app
+
+
+def _freeze_gc(_: object) -> None:
+    """Objects alive after start-up (modules, tokenizer tables, engine state) live as long as the process:
+    move them out of the collector's sight and collect the young generation less often, since a serving loop
+    allocates many short-lived objects and full collections over a large heap stall every stream."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
 
 
 async def _start_backends(state: GatewayState) -> None:

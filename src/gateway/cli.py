@@ -28,30 +28,14 @@ def serve(
     log_level: Annotated[str | None, typer.Option(help="critical, error, warning, info or debug.")] = None,
 ) -> None:
     """Serve the OpenAI API. With no configuration, serves the CPU reference engine on 127.0.0.1:8000."""
-    import uvicorn
-
-    from gateway.app import create_app
-    from gateway.logs import configure_logging
+    from gateway.server import run_server
 
     try:
         settings = load_config(config, host=host, port=port, log_level=log_level)
     except ConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from exc
-    configure_logging(settings.server.log_level)
-    # The engine thread and the event loop share the GIL. With the default 5 ms switch interval, every numpy or
-    # C++ call that releases the GIL on the engine thread can wait up to 5 ms to get it back from a busy loop.
-    sys.setswitchinterval(settings.server.gil_switch_interval)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.server.host,
-        port=settings.server.port,
-        loop="uvloop",
-        http="httptools",
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
+    run_server(settings)
 
 
 @config_app.command("check")

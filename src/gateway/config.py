@@ -19,6 +19,17 @@ DEFAULT_MODEL_NAME = "deepinfer-reference"
 DEFAULT_BACKEND_NAME = "reference"
 
 
+class ApiKeyConfig(BaseModel):
+    """A client key with its own limits; a plain string in ``server.api_keys`` means default limits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(min_length=8, repr=False)
+    name: str | None = Field(None, description="label for logs and metrics (the key itself is never logged)")
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+
+
 class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -31,6 +42,20 @@ class ServerConfig(BaseModel):
     gil_switch_interval: float = Field(
         0.0005, gt=0, le=0.1, description="seconds; short so the engine thread gets the GIL back quickly"
     )
+    api_keys: list[str | ApiKeyConfig] = Field(
+        default_factory=list, description="client keys for /v1 (Bearer or x-api-key); empty: no auth", repr=False
+    )
+    admin_api_key: str | None = Field(None, min_length=8, description="protects /metrics and /admin", repr=False)
+    requests_per_minute: int | None = Field(None, ge=1, description="default per-key request limit")
+    tokens_per_minute: int | None = Field(None, ge=1, description="default per-key token limit")
+    drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
+    request_timeout: float | None = Field(600.0, gt=0, description="total deadline of one request, seconds")
+    idle_timeout: float | None = Field(120.0, gt=0, description="longest wait for the next token, seconds")
+    max_messages: int = Field(2048, ge=1, description="upper bound for messages in a chat request")
+    max_tools: int = Field(128, ge=0, description="upper bound for tools in a chat request")
+
+    def client_keys(self) -> list[ApiKeyConfig]:
+        return [ApiKeyConfig(key=k) if isinstance(k, str) else k for k in self.api_keys]
 
 
 class ModelConfig(BaseModel):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -81,7 +81,7 @@ class GatewayMetrics:
 class RequestObserver:
     """Times one request and records it once, whatever way it ends."""
 
-    __slots__ = ("_done", "_labels", "_metrics", "backend", "first_token_at", "log", "model", "started")
+    __slots__ = ("_done", "_labels", "_metrics", "backend", "first_token_at", "log", "model", "on_finish", "started")
 
     def __init__(self, metrics: GatewayMetrics, model: str, backend: str, log: dict[str, object]) -> None:
         self._metrics = metrics
@@ -92,6 +92,8 @@ class RequestObserver:
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self._done = False
+        self.on_finish: Callable[[int], None] | None = None
+        """Called once with the request's total tokens (per-key token limits charge here)."""
         log["model"] = model
         log["backend"] = backend
         metrics.in_flight.labels(*self._labels).inc()
@@ -110,6 +112,8 @@ class RequestObserver:
         m.requests.labels(*labels, str(status)).inc()
         e2e = now - self.started
         m.e2e.labels(*labels).observe(e2e)
+        if self.on_finish is not None:
+            self.on_finish(prompt_tokens + completion_tokens)
         self.log["status"] = status
         self.log["e2e_ms"] = round(e2e * 1000, 3)
         if code is not None or status >= 400:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+import orjson
 import structlog
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,10 +35,18 @@ class RequestContextMiddleware:
     """Gives every HTTP request an id (the client's ``X-Request-ID`` or a new one), enforces the body size limit,
     and writes one structured log line when the response is complete (streams included)."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, access_log: bool = True) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int,
+        access_log: bool = True,
+        draining: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.access_log = access_log
+        self.draining = draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,6 +77,13 @@ class RequestContextMiddleware:
 
         limit = self.max_body_bytes
         try:
+            if self.draining() and scope["path"].startswith("/v1/") and scope["method"] == "POST":
+                await _send_error(
+                    send_with_id,
+                    APIError(503, "The gateway is shutting down.", type="server_error", code="draining"),
+                    retry_after=1,
+                )
+                return
             if content_length is not None and content_length > limit:
                 too_large = BodyTooLargeError(limit)
                 await _send_error(send_with_id, APIError(413, str(too_large.detail), code="request_too_large"))
@@ -96,15 +113,10 @@ class RequestContextMiddleware:
                 )
 
 
-async def _send_error(send: Send, error: APIError) -> None:
-    import orjson
-
+async def _send_error(send: Send, error: APIError, retry_after: int | None = None) -> None:
     body = orjson.dumps(error_payload(error.message, error.type, error.param, error.code))
-    await send(
-        {
-            "type": "http.response.start",
-            "status": error.status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -9,6 +9,7 @@ from starlette.requests import Request
 
 from backends.interface import Backend
 from gateway.config import GatewayConfig
+from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.router import ModelRouter
 
@@ -21,6 +22,12 @@ class GatewayState:
     metrics: GatewayMetrics
     started_at: int = field(default_factory=lambda: int(time.time()))
     start_errors: dict[str, str] = field(default_factory=dict)
+    limits: KeyLimits | None = None
+    draining: bool = False
+    """Set on SIGTERM: /ready turns 503 and new generation requests are refused while in-flight ones finish."""
+
+    def begin_drain(self) -> None:
+        self.draining = True
 
 
 def gateway_state(request: Request) -> GatewayState:

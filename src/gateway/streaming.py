@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import orjson
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from backends.errors import BackendError
+from backends.errors import BackendError, BackendTimeoutError
 from backends.interface import Delta, Event, Finish, PromptEcho, Usage
 from gateway.errors import api_error_from_backend, error_payload
 from gateway.metrics import RequestObserver
@@ -28,6 +28,55 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 
 class ClientDisconnectedError(Exception):
     pass
+
+
+class Timeouts(NamedTuple):
+    total: float | None  # seconds from arrival to the last token
+    idle: float | None  # seconds between two events (the first token included)
+
+
+class _Deadline:
+    """A request's deadline: its total deadline, or ``idle`` after the last event, whichever comes first."""
+
+    __slots__ = ("_end", "_idle", "_loop", "_timeouts", "last")
+
+    def __init__(self, timeouts: Timeouts) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._timeouts = timeouts
+        now = self._loop.time()
+        self._end = now + timeouts.total if timeouts.total else None
+        self._idle = timeouts.idle
+        self.last = now
+
+    def next(self) -> float | None:
+        idle_end = self.last + self._idle if self._idle else None
+        if self._end is None:
+            return idle_end
+        return self._end if idle_end is None else min(self._end, idle_end)
+
+    def expired(self) -> BackendTimeoutError:
+        if self._end is not None and self._loop.time() >= self._end:
+            return BackendTimeoutError(f"The request took longer than its {self._timeouts.total:g} s deadline.")
+        return BackendTimeoutError(f"No output from the backend for {self._timeouts.idle:g} s.")
+
+
+async def _next_event(events: AsyncIterator[Event], deadline: _Deadline | None) -> Event:
+    """The next event, or ``BackendTimeoutError`` once the deadline passes (the backend's work is aborted,
+    since the timeout cancels the iterator's pending await and its cleanup runs). The timeout only ever spans
+    the wait for the backend, never a send to the client."""
+    if deadline is None:
+        return await anext(events)
+    at = deadline.next()
+    if at is None:
+        event = await anext(events)
+    else:
+        try:
+            async with asyncio.timeout_at(at):
+                event = await anext(events)
+        except TimeoutError:
+            raise deadline.expired() from None
+    deadline.last = deadline._loop.time()
+    return event
 
 
 class OpenAIFormat(Protocol):
@@ -60,14 +109,17 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     return work.result()
 
 
-async def _first_token_events(events: AsyncIterator[Event]) -> list[Event]:
+async def _first_token_events(events: AsyncIterator[Event], deadline: _Deadline | None) -> list[Event]:
     """Pulls events up to and including the first that carries output, so the first frame is real."""
     head: list[Event] = []
-    async for event in events:
+    while True:
+        try:
+            event = await _next_event(events, deadline)
+        except StopAsyncIteration:
+            return head
         head.append(event)
         if not isinstance(event, PromptEcho):
-            break
-    return head
+            return head
 
 
 def error_frame(exc: BackendError) -> bytes:
@@ -83,11 +135,13 @@ async def stream_response(
     *,
     include_usage: bool,
     headers: dict[str, str],
+    timeouts: Timeouts | None = None,
 ) -> Response:
     """SSE response. Errors before the first token are plain HTTP errors; later ones are an error frame
     followed by ``[DONE]``."""
+    deadline = _Deadline(timeouts) if timeouts else None
     try:
-        head = await unless_disconnected(request, _first_token_events(events))
+        head = await unless_disconnected(request, _first_token_events(events, deadline))
     except BaseException as exc:
         await events.aclose()
         _observe_failure(observer, exc)
@@ -112,7 +166,11 @@ async def stream_response(
                 frame = render(event)
                 if frame is not None:
                     yield frame
-            async for event in events:
+            while True:
+                try:
+                    event = await _next_event(events, deadline)
+                except StopAsyncIteration:
+                    break
                 frame = render(event)
                 if frame is not None:
                     yield frame
@@ -139,17 +197,23 @@ async def whole_response(
     *,
     want_logprobs: bool,
     headers: dict[str, str],
+    timeouts: Timeouts | None = None,
 ) -> Response:
+    deadline = _Deadline(timeouts) if timeouts else None
+
     async def collect() -> Usage | None:
         usage = None
-        async for event in events:
+        while True:
+            try:
+                event = await _next_event(events, deadline)
+            except StopAsyncIteration:
+                return usage
             if isinstance(event, Usage):
                 usage = event
             else:
                 if isinstance(event, Delta):
                     observer.first_token()
                 fmt.add(event)
-        return usage
 
     try:
         usage = await unless_disconnected(request, collect())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
@@ -13,7 +14,7 @@ from gateway.errors import APIError
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.responses import ChatFormat, CompletionFormat
 from gateway.state import GatewayState, gateway_state
-from gateway.streaming import merge_prompts, stream_response, whole_response
+from gateway.streaming import Timeouts, merge_prompts, stream_response, whole_response
 
 router = APIRouter(tags=["generation"])
 
@@ -25,6 +26,17 @@ def _check_n(n: int, state: GatewayState) -> None:
         raise APIError(400, f"n must be at most {state.config.server.max_n}.", param="n")
 
 
+def _admit_client(request: Request, state: GatewayState) -> tuple[str, dict[str, str]]:
+    """The client's key label and its rate-limit headers; raises a 429 when its budget is spent."""
+    label = getattr(request.state, "api_key", None) or "anonymous"
+    assert state.limits is not None
+    return label, state.limits.admit(label)
+
+
+def _timeouts(state: GatewayState) -> Timeouts:
+    return Timeouts(state.config.server.request_timeout, state.config.server.idle_timeout)
+
+
 def _fingerprint(backend: Backend) -> str:
     return getattr(backend, "fingerprint", None) or f"fp_{backend.kind}"
 
@@ -33,6 +45,12 @@ def _fingerprint(backend: Backend) -> str:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = gateway_state(request)
     _check_n(body.n, state)
+    server = state.config.server
+    if len(body.messages) > server.max_messages:
+        raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="messages")
+    if body.tools and len(body.tools) > server.max_tools:
+        raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
+    label, limit_headers = _admit_client(request, state)
     backend = state.router.route(body.model)
     generate = GenerateRequest(
         request_id=request.state.request_id,
@@ -52,12 +70,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, _fingerprint(backend), body.n)
     observer = state.metrics.observer(body.model, backend.name, request.state.log)
-    headers = {"X-Backend": backend.name}
+    observer.on_finish = functools.partial(state.limits.charge, label)  # type: ignore[union-attr]
+    headers = {"X-Backend": backend.name, **limit_headers}
     events = backend.generate(generate)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream_response(request, events, fmt, observer, include_usage=include_usage, headers=headers)
-    return await whole_response(request, events, fmt, observer, want_logprobs=body.logprobs, headers=headers)
+        return await stream_response(
+            request, events, fmt, observer, include_usage=include_usage, headers=headers, timeouts=_timeouts(state)
+        )
+    return await whole_response(
+        request, events, fmt, observer, want_logprobs=body.logprobs, headers=headers, timeouts=_timeouts(state)
+    )
 
 
 @router.post("/v1/completions", response_model=None)
@@ -69,6 +92,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise APIError(400, f"at most {MAX_PROMPTS} prompts are allowed in one request.", param="prompt")
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported yet.", param="echo")
+    label, limit_headers = _admit_client(request, state)
     backend = state.router.route(body.model)
     sampling = body.sampling_options(
         max_tokens=body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0
@@ -92,9 +116,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     choices = len(prompts) * body.n
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, _fingerprint(backend), choices)
     observer = state.metrics.observer(body.model, backend.name, request.state.log)
-    headers = {"X-Backend": backend.name}
+    observer.on_finish = functools.partial(state.limits.charge, label)  # type: ignore[union-attr]
+    headers = {"X-Backend": backend.name, **limit_headers}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream_response(request, events, fmt, observer, include_usage=include_usage, headers=headers)
+        return await stream_response(
+            request, events, fmt, observer, include_usage=include_usage, headers=headers, timeouts=_timeouts(state)
+        )
     want_logprobs = body.logprobs is not None
-    return await whole_response(request, events, fmt, observer, want_logprobs=want_logprobs, headers=headers)
+    return await whole_response(
+        request, events, fmt, observer, want_logprobs=want_logprobs, headers=headers, timeouts=_timeouts(state)
+    )

@@ -33,7 +33,10 @@ async def ready(request: Request) -> Response:
     for name, error in state.start_errors.items():
         backends[name] = {"kind": backends.get(name, {}).get("kind"), "ready": False, "reason": error}
         all_ready = False
-    body = {"status": "ready" if all_ready else "not_ready", "backends": backends}
+    if state.draining:
+        all_ready = False
+    status = "draining" if state.draining else "ready" if all_ready else "not_ready"
+    body = {"status": status, "backends": backends}
     return Response(orjson.dumps(body), status_code=200 if all_ready else 503, media_type="application/json")
 
 

@@ -1,0 +1,95 @@
+"""SIGTERM drains: streams in flight finish (up to server.drain_seconds), then the rest are cut and engines close."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+from ..conftest import MODEL
+
+
+def _serve(tmp_path: Path, drain_seconds: float) -> tuple[subprocess.Popen[bytes], str, Path]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = tmp_path / "drain.yaml"
+    config.write_text(
+        f"server: {{drain_seconds: {drain_seconds}}}\n"
+        "backends:\n  - {name: reference, kind: reference, timing: {decode_seconds_per_step: 0.02}}\n"
+        f"models:\n  - {{name: {MODEL}, backends: [reference]}}\n"
+    )
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                return process, base, log
+        except httpx.TransportError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("gateway did not start")
+
+
+def _stream_then_sigterm(process: subprocess.Popen[bytes], base: str, max_tokens: int) -> list[str]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    data: list[str] = []
+    try:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    data.append(line[6:])
+                    if len(data) == 3:
+                        process.send_signal(signal.SIGTERM)
+    except httpx.HTTPError:
+        pass  # a stream cut at the drain deadline ends without a clean HTTP ending
+    return data
+
+
+def test_sigterm_lets_a_stream_in_flight_finish_and_refuses_new_connections(tmp_path: Path) -> None:
+    process, base, log = _serve(tmp_path, drain_seconds=30)
+    try:
+        data = _stream_then_sigterm(process, base, max_tokens=60)
+        assert data[-1] == "[DONE]", "the stream was not cut"
+        assert orjson.loads(data[-2])["usage"]["completion_tokens"] == 60
+        try:
+            refused = httpx.get(f"{base}/health", timeout=2).status_code
+        except httpx.TransportError:
+            refused = None
+        assert refused is None, "a draining gateway takes no new connections"
+        assert process.wait(timeout=30) is not None
+    finally:
+        process.kill()
+    assert "Application shutdown complete" in log.read_text()
+
+
+def test_streams_still_running_at_the_drain_deadline_are_cut_and_the_engine_closes(tmp_path: Path) -> None:
+    process, base, log = _serve(tmp_path, drain_seconds=0.5)
+    try:
+        started = time.monotonic()
+        data = _stream_then_sigterm(process, base, max_tokens=1000)  # 20 s of decoding if nothing cut it
+        assert "[DONE]" not in data
+        process.wait(timeout=30)
+        assert time.monotonic() - started < 15
+    finally:
+        process.kill()
+    assert "Application shutdown complete" in log.read_text()

@@ -1,0 +1,165 @@
+"""Overload, timeouts, engine failures and slow clients: the gateway answers cleanly and loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from backends.config import ReferenceBackendConfig
+from backends.deepseek.chat import DeepSeekV41ChatTemplate
+from backends.engine.backend import EngineBackend
+from backends.reference.engine import ReferenceEngine, ReferenceEngineArgs
+from gateway.config import GatewayConfig
+
+from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
+
+LONG = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "ignore_eos": True}
+
+
+def _one_backend(**backend: Any) -> GatewayConfig:
+    return GatewayConfig(
+        backends=[{"name": "reference", "kind": "reference", **backend}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+
+
+@pytest.fixture(scope="module")
+def narrow() -> Iterator[RunningGateway]:
+    """One slot, one queue place, a short queue timeout and slow decoding: easy to saturate."""
+    config = _one_backend(max_in_flight=1, max_queue=1, queue_timeout=0.5, timing={"decode_seconds_per_step": 0.01})
+    running = start_gateway(config)
+    yield running
+    stop_gateway(running)
+
+
+def test_saturated_backend_answers_503_with_retry_after_and_never_queues_unboundedly(narrow: RunningGateway) -> None:
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=narrow.base_url, timeout=30) as client:
+            body = {**LONG, "max_tokens": 200}
+            running = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            await asyncio.sleep(0.3)
+            queued = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            await asyncio.sleep(0.1)
+            rejected = await client.post("/v1/chat/completions", json=body)
+            return [rejected, await queued, await running]
+
+    rejected, queued, running = asyncio.run(scenario())
+    assert running.status_code == 200
+    assert rejected.status_code == 503
+    assert rejected.json()["error"]["code"] == "backend_saturated"
+    assert int(rejected.headers["retry-after"]) >= 1
+    assert queued.status_code == 503, "the queued request waited its queue_timeout (0.5 s) and was then refused"
+    assert wait_until(lambda: narrow.engine_unfinished() == 0)
+
+
+@pytest.fixture(scope="module")
+def deadline_gateway() -> Iterator[RunningGateway]:
+    config = _one_backend(timing={"decode_seconds_per_step": 0.01})
+    config.server.request_timeout = 0.5
+    running = start_gateway(config)
+    yield running
+    stop_gateway(running)
+
+
+def test_request_past_its_deadline_gets_504_and_its_engine_work_is_aborted(deadline_gateway: RunningGateway) -> None:
+    response = httpx.post(f"{deadline_gateway.base_url}/v1/chat/completions", json=LONG, timeout=30)
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "timeout"
+    assert wait_until(lambda: deadline_gateway.engine_unfinished() == 0)
+
+
+def test_stream_past_its_deadline_ends_with_an_error_frame_and_done(deadline_gateway: RunningGateway) -> None:
+    with httpx.stream(
+        "POST", f"{deadline_gateway.base_url}/v1/chat/completions", json={**LONG, "stream": True}, timeout=30
+    ) as response:
+        assert response.status_code == 200
+        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert orjson.loads(data[-2])["error"]["code"] == "timeout"
+    assert len(data) > 3, "tokens flowed before the deadline"
+    assert wait_until(lambda: deadline_gateway.engine_unfinished() == 0)
+
+
+def test_no_first_token_within_the_idle_timeout_gets_504() -> None:
+    config = _one_backend(timing={"prefill_seconds_per_token": 0.2})
+    config.server.idle_timeout = 0.3
+    running = start_gateway(config)
+    try:
+        response = httpx.post(f"{running.base_url}/v1/chat/completions", json=LONG, timeout=30)
+        assert response.status_code == 504
+        assert "No output" in response.json()["error"]["message"]
+        assert wait_until(lambda: running.engine_unfinished() == 0 and running.driver_in_flight() == 0)
+    finally:
+        stop_gateway(running)
+
+
+class CrashingEngine(ReferenceEngine):
+    """Test double: the reference engine, whose ``step()`` raises once the test arms it."""
+
+    armed = threading.Event()
+
+    def step(self):  # type: ignore[no-untyped-def]
+        if self.armed.is_set():
+            raise RuntimeError("injected engine fault")
+        return super().step()
+
+
+def test_engine_crash_fails_its_requests_cleanly_and_leaves_other_backends_serving() -> None:
+    def crashing() -> CrashingEngine:
+        return CrashingEngine.from_engine_args(ReferenceEngineArgs(decode_seconds_per_step=0.01))  # type: ignore[return-value]
+
+    crash_backend = EngineBackend("fragile", "reference", crashing, DeepSeekV41ChatTemplate())
+    healthy_config = ReferenceBackendConfig(name="healthy")
+    from backends.registry import build_backend
+
+    config = GatewayConfig(
+        backends=[{"name": "fragile", "kind": "reference"}, {"name": "healthy", "kind": "reference"}],
+        models=[{"name": "fragile-model", "backends": ["fragile"]}, {"name": MODEL, "backends": ["healthy"]}],
+    )
+    running = start_gateway(config, backends={"fragile": crash_backend, "healthy": build_backend(healthy_config)})
+    try:
+        url = f"{running.base_url}/v1/chat/completions"
+        with httpx.stream("POST", url, json={**LONG, "model": "fragile-model", "stream": True}, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            CrashingEngine.armed.set()
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]"
+        assert orjson.loads(rest[-2])["error"]["type"] == "server_error"
+        ready = httpx.get(f"{running.base_url}/ready")
+        assert ready.status_code == 503
+        assert "injected engine fault" in ready.json()["backends"]["fragile"]["reason"]
+        refused = httpx.post(url, json={**LONG, "model": "fragile-model", "max_tokens": 2})
+        assert refused.status_code == 503
+        served = httpx.post(url, json={**LONG, "max_tokens": 3}, timeout=30)
+        assert served.status_code == 200, "the other backend and the process stay up"
+    finally:
+        CrashingEngine.armed.clear()
+        stop_gateway(running)
+
+
+def test_a_client_that_stops_reading_does_not_stall_other_streams(gateway: RunningGateway) -> None:
+    import socket
+
+    host, port = gateway.base_url.removeprefix("http://").split(":")
+    stalled = socket.create_connection((host, int(port)))
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    payload = orjson.dumps({**LONG, "max_tokens": 3000, "stream": True})
+    stalled.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    try:
+        for _ in range(3):
+            reply = httpx.post(f"{gateway.base_url}/v1/chat/completions", json={**LONG, "max_tokens": 50}, timeout=30)
+            assert reply.status_code == 200
+    finally:
+        stalled.close()
+    assert wait_until(lambda: gateway.engine_unfinished() == 0, timeout=30)

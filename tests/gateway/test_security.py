@@ -1,0 +1,96 @@
+"""API keys, admin key and per-key limits, as a client and an operator meet them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.config import GatewayConfig
+
+from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway
+
+CLIENT_KEY = "sk-client-0123456789"
+LIMITED_KEY = "sk-limited-0123456789"
+TOKEN_KEY = "sk-tokens-0123456789"
+ADMIN_KEY = "sk-admin-0123456789"
+
+
+@pytest.fixture(scope="module")
+def secured() -> Iterator[RunningGateway]:
+    config = GatewayConfig(
+        server={
+            "api_keys": [
+                CLIENT_KEY,
+                {"key": LIMITED_KEY, "name": "team-b", "requests_per_minute": 2},
+                {"key": TOKEN_KEY, "name": "team-t", "tokens_per_minute": 30},
+            ],
+            "admin_api_key": ADMIN_KEY,
+        },
+        backends=[{"name": "reference", "kind": "reference"}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    running = start_gateway(config)
+    yield running
+    stop_gateway(running)
+
+
+def test_requests_without_a_key_or_with_a_wrong_one_get_401(secured: RunningGateway) -> None:
+    missing = httpx.get(f"{secured.base_url}/v1/models")
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    wrong = httpx.get(f"{secured.base_url}/v1/models", headers={"Authorization": "Bearer sk-wrong-000000"})
+    assert wrong.status_code == 401
+    assert "sk-wrong" not in wrong.text, "keys are never echoed"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{secured.base_url}/v1", api_key="sk-nope-00000000", max_retries=0).models.list()
+
+
+def test_bearer_and_x_api_key_are_both_accepted(secured: RunningGateway) -> None:
+    client = openai.OpenAI(base_url=f"{secured.base_url}/v1", api_key=CLIENT_KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{secured.base_url}/v1/models", headers={"x-api-key": CLIENT_KEY}).status_code == 200
+
+
+def test_health_and_ready_need_no_key(secured: RunningGateway) -> None:
+    assert httpx.get(f"{secured.base_url}/health").status_code == 200
+    assert httpx.get(f"{secured.base_url}/ready").status_code == 200
+
+
+def test_metrics_need_the_admin_key_not_a_client_key(secured: RunningGateway) -> None:
+    assert httpx.get(f"{secured.base_url}/metrics").status_code == 401
+    client_key = httpx.get(f"{secured.base_url}/metrics", headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+    assert client_key.status_code == 401
+    admin = httpx.get(f"{secured.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert admin.status_code == 200 and "gateway_requests_total" in admin.text
+
+
+def test_requests_per_minute_limit_gives_429_with_retry_after_and_ratelimit_headers(secured: RunningGateway) -> None:
+    headers = {"Authorization": f"Bearer {LIMITED_KEY}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    url = f"{secured.base_url}/v1/chat/completions"
+    first = httpx.post(url, json=body, headers=headers)
+    assert first.status_code == 200
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
+    assert first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert httpx.post(url, json=body, headers=headers).status_code == 200
+    limited = httpx.post(url, json=body, headers=headers)
+    assert limited.status_code == 429
+    assert limited.json()["error"]["type"] == "rate_limit_error"
+    assert int(limited.headers["retry-after"]) >= 1
+    assert limited.headers["x-ratelimit-remaining-requests"] == "0"
+    other = httpx.post(url, json=body, headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+    assert other.status_code == 200, "one key's limit does not touch another key"
+
+
+def test_tokens_per_minute_limit_blocks_after_the_budget_is_spent(secured: RunningGateway) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN_KEY}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "ignore_eos": True}
+    url = f"{secured.base_url}/v1/chat/completions"
+    assert httpx.post(url, json=body, headers=headers).status_code == 200
+    limited = httpx.post(url, json=body, headers=headers)
+    assert limited.status_code == 429
+    assert limited.headers["x-ratelimit-limit-tokens"] == "30"
+    assert int(limited.headers["retry-after"]) >= 1
