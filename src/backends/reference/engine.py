@@ -6,10 +6,19 @@ over ``max_model_len``, one output per emitted token, EOS id 1 stops, silent dro
 DeepInfer's abort rule (aborted while waiting: one synthetic ``abort`` output; aborted while running: nothing).
 An optional timing model (seconds per prefill token, per decode step, tokens accepted per step) makes it pace
 like a GPU deployment for load tests. Each step samples the whole batch with a few numpy calls.
+
+Structured outputs (``so_args``, see ``structured``) follow DeepInfer's contract, with these differences: the
+grammar is compiled synchronously inside ``add_request`` (DeepInfer compiles on a thread pool and enqueues the
+request from a later ``step()``, so until then ``abort_request`` cannot see it); a schema that fails to compile
+still ends the request asynchronously, with one synthetic ``FINISHED_SO_FAILED`` output (last prompt token) at the
+next step, and ``abort_request`` does not count it, as with a pending compile. A grammar failing mid-generation
+emits token 0 with that finish reason. There is no KV-cache preemption here, so "structured requests are stopped
+when preempted" never arises. Only rows with ``so_args`` pay for masks; the others take the unchanged numpy path.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import deque
@@ -29,7 +38,10 @@ from . import sampler
 from .artifacts import load_or_build
 from .model import NO_TOKEN, NGramModel
 from .sampling_params import SamplingParams
+from .structured import StructuredOutputError, StructuredOutputs, StructuredState, check_so_args
 from .tokenizer import DEFAULT_VOCAB_SIZE, SpecialTokenIds
+
+logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20
 """Top-logprob lists are capped at this length (OpenAI's maximum); DeepInfer accepts up to 1000."""
@@ -37,9 +49,12 @@ MAX_TOP_LOGPROBS = 20
 SYNTHETIC_LOGPROB = 1.0
 """DeepInfer's ``token_logprobs`` on outputs whose token was never sampled."""
 
+SO_FAILED_TOKEN = 0
+"""DeepInfer appends token 0 when a request's grammar fails mid-generation (never to be detokenized)."""
+
 _EMPTY: tuple[()] = ()
-_REASONS = np.array(["", FinishReason.STOP, FinishReason.LENGTH], dtype=object)
-_GOING, _STOPPED, _CAPPED = 0, 1, 2
+_REASONS = np.array(["", FinishReason.STOP, FinishReason.LENGTH, FinishReason.SO_FAILED], dtype=object)
+_GOING, _STOPPED, _CAPPED, _SO_FAILED = 0, 1, 2, 3
 
 
 class SequenceStatus:
@@ -51,6 +66,7 @@ class SequenceStatus:
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_IGNORED = 6
+    FINISHED_SO_FAILED = 8
 
 
 @dataclass(slots=True)
@@ -84,6 +100,8 @@ class ReferenceSequence:
         "prompt_len",
         "region",
         "request_id",
+        "so",
+        "so_error",
         "status",
         "user_id",
     )
@@ -92,6 +110,8 @@ class ReferenceSequence:
         self.user_id = user_id
         self.request_id = request_id
         self.params = params
+        self.so: StructuredState | None = None  # structured-output state, if the request has so_args
+        self.so_error = ""  # why it ended as FINISHED_SO_FAILED (compile error, or grammar error mid-generation)
         self.prompt_len = int(prompt.size)
         self.last_prompt_token = int(prompt[-1])
         self.prev1 = self.last_prompt_token
@@ -125,6 +145,7 @@ class _Batch:
         "no_eos_first",
         "n_top",
         "golden",
+        "so",
     )
     prev2: np.ndarray
     prev1: np.ndarray
@@ -141,6 +162,7 @@ class _Batch:
     no_eos_first: np.ndarray
     n_top: np.ndarray
     golden: np.ndarray
+    so: np.ndarray
 
     def __init__(self) -> None:
         self._assign(self.rows([], width=1))
@@ -165,6 +187,7 @@ class _Batch:
             "no_eos_first": np.array([p.first_n_token_no_eos == 1 for p in params], dtype=bool),
             "n_top": np.array([min(p.top_logprobs, MAX_TOP_LOGPROBS) for p in params], dtype=np.int64),
             "golden": np.array([bool(p.golden_token_ids) for p in params], dtype=bool),
+            "so": np.array([s.so is not None for s in seqs], dtype=bool),
         }
 
     def _assign(self, arrays: dict[str, np.ndarray]) -> None:
@@ -209,6 +232,8 @@ class ReferenceEngine:
         self._batch = _Batch()
         self._pending: list[EngineOutput] = []  # synthetic outputs due at the next step
         self._closed = False
+        self._structured = StructuredOutputs(tokenizer, model, EOS_TOKEN_ID)
+        self._num_so = 0  # running requests with so_args: zero keeps _sample on its plain path
 
     @classmethod
     def from_engine_args(cls, args: ReferenceEngineArgs) -> ReferenceEngine:
@@ -255,8 +280,22 @@ class ReferenceEngine:
             raise ValueError("prompt must not be empty")
         if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
             return None
+        so_args = params.so_args
+        if so_args is not None:
+            check_so_args(so_args)
         seq = ReferenceSequence(user_id, request_id, params, prompt, self.model.region_after(prompt))
         self._live[request_id] = seq
+        if so_args is not None:
+            # DeepInfer compiles on a thread pool and enqueues the request from a later step(); compiling here
+            # is synchronous (cached per schema), so the request is visible to abort_request at once.
+            try:
+                seq.so = self._structured.compile(so_args)
+            except StructuredOutputError as exc:
+                seq.so_error = str(exc)
+                logger.info("request %s: so_args failed: %s", request_id, exc)
+                seq.status = SequenceStatus.FINISHED_SO_FAILED
+                self._pending.append(seq.synthetic_output(FinishReason.SO_FAILED))
+                return seq
         self._waiting.append(seq)
         self._num_waiting += 1
         return seq
@@ -369,6 +408,7 @@ class ReferenceEngine:
             self._running.extend(admitted)
             self._running_ids.extend(s.request_id for s in admitted)
             self._running_prompt_lens.extend(s.prompt_len for s in admitted)
+            self._num_so = int(np.count_nonzero(self._batch.so))
         return prefill_tokens
 
     def _retain(self, keep: np.ndarray) -> None:
@@ -377,6 +417,7 @@ class ReferenceEngine:
         self._running = [s for s, k in zip(self._running, flags, strict=True) if k]
         self._running_ids = [s.request_id for s in self._running]
         self._running_prompt_lens = [s.prompt_len for s in self._running]
+        self._num_so = int(np.count_nonzero(self._batch.so))
 
     def _decode(self, outputs: list[EngineOutput], num_old: int) -> None:
         """One decode round: each request emits ``tokens_per_step`` tokens (one if it was just admitted)."""
@@ -420,6 +461,7 @@ class ReferenceEngine:
                 ids[masked[empty]] = model.unigram_ids
                 sub[empty] = model.unigram_probs
             probs[masked] = sub
+        structured = self._constrain(rows, ids, probs, no_eos) if self._num_so else None
         probs = sampler.process(probs, b.temperature[rows], b.top_k[rows], b.top_p[rows], b.greedy[rows])
         column = sampler.draw(probs, sampler.uniforms(b.key[rows], pos))
         index = np.arange(rows.size)
@@ -427,6 +469,7 @@ class ReferenceEngine:
         chosen = sampler.logprobs(probs[index, column])
         if b.golden[rows].any():
             self._teacher_force(rows, pos, ids, probs, tokens, chosen)
+        failed_rows = self._advance_structured(rows, structured, tokens, chosen) if structured is not None else None
 
         # Advance the state of every sampled row.
         region = model.region_of_token[tokens]
@@ -438,6 +481,8 @@ class ReferenceEngine:
         stopped = (tokens == eos) & ~b.ignore_eos[rows]
         capped = (count >= b.max_tokens[rows]) | (b.prompt_len[rows] + count > self.max_model_len)
         code = np.where(stopped, _STOPPED, np.where(capped, _CAPPED, _GOING))
+        if failed_rows is not None:
+            code[failed_rows] = _SO_FAILED
         finished = code != _GOING
         done[rows] = finished
 
@@ -445,6 +490,8 @@ class ReferenceEngine:
         top_values: list[Any] = [_EMPTY] * n
         top_tokens: list[Any] = [_EMPTY] * n
         n_top = b.n_top[rows]
+        if failed_rows is not None:
+            n_top = np.where(code == _SO_FAILED, 0, n_top)  # synthetic outputs carry no top logprobs
         wanted = np.flatnonzero(n_top > 0)
         if wanted.size:
             columns, values = sampler.top_logprobs(probs[wanted], int(n_top[wanted].max()))
@@ -472,6 +519,53 @@ class ReferenceEngine:
                 top_tokens,
             )
         )
+
+    def _constrain(
+        self, rows: np.ndarray, ids: np.ndarray, probs: np.ndarray, no_eos: np.ndarray
+    ) -> tuple[np.ndarray, list[StructuredState], np.ndarray] | None:
+        """Apply structured-output masks to the candidate rows of requests with so_args (in place).
+
+        Returns (their indices in ``rows``, their states, which of them failed), or None if there are none.
+        Only these rows pay for masks; the others keep their rows untouched, so their tokens do not change.
+        """
+        index = np.flatnonzero(self._batch.so[rows])
+        if index.size == 0:
+            return None
+        running = self._running
+        states = [running[r].so for r in rows[index].tolist()]
+        sub_ids, sub_probs = ids[index], probs[index]
+        failed = self._structured.constrain(states, sub_ids, sub_probs, no_eos[index])  # type: ignore[arg-type]
+        if failed.any():  # keep failed rows drawable; their output is replaced after the draw
+            sub_probs[failed, 0] = 1.0
+        ids[index] = sub_ids
+        probs[index] = sub_probs
+        return index, states, failed  # type: ignore[return-value]
+
+    def _advance_structured(
+        self,
+        rows: np.ndarray,
+        structured: tuple[np.ndarray, list[StructuredState], np.ndarray],
+        tokens: np.ndarray,
+        chosen: np.ndarray,
+    ) -> np.ndarray | None:
+        """Feed emitted tokens to their grammars; rows that failed or were rejected emit DeepInfer's token 0.
+
+        Returns the positions in the step's rows that finish as FINISHED_SO_FAILED, or None.
+        """
+        index, states, failed = structured
+        live = np.flatnonzero(~failed)
+        rejected = self._structured.advance([states[i] for i in live.tolist()], tokens[index[live]].tolist())
+        failed[live[rejected]] = True
+        if not failed.any():
+            return None
+        failed_rows = index[failed]
+        for i, row in zip(np.flatnonzero(failed).tolist(), rows[failed_rows].tolist(), strict=True):
+            seq = self._running[row]
+            seq.so_error = states[i].matcher.get_error() or f"token {int(tokens[index[i]])} rejected by the grammar"
+            logger.info("request %s: structured output failed: %s", seq.request_id, seq.so_error)
+        tokens[failed_rows] = SO_FAILED_TOKEN
+        chosen[failed_rows] = SYNTHETIC_LOGPROB
+        return failed_rows
 
     def _teacher_force(
         self,

@@ -88,8 +88,6 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}.")
-        if self.so_args is not None:
-            raise ValueError("so_args not supported by the reference engine yet")
 
     @property
     def greedy(self) -> bool:

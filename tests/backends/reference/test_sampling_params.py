@@ -23,7 +23,6 @@ from backends.reference import SamplingParams
         ({"top_logprobs": -1}, ValueError),
         ({"top_logprobs": 1001}, ValueError),
         ({"temperature": 0.0, "top_p": 0.0}, ValueError),  # validated before the greedy rewrite
-        ({"so_args": {"schema_type": "json", "schema": "{}"}}, ValueError),
         ({"seq_seed": "7"}, TypeError),
         ({"seq_seed": 1.5}, TypeError),
         ({"stop": ["x"]}, TypeError),
@@ -39,6 +38,11 @@ def test_defaults_match_deepinfer() -> None:
     p = SamplingParams.from_request(None)
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.top_logprobs) == (1.0, 1.0, -1, 16, 0)
     assert not p.ignore_eos and p.so_args is None and 0 <= p.seq_seed < 2**64
+
+
+def test_so_args_are_kept_as_given_for_add_request_to_check() -> None:
+    so_args = {"schema_type": "xml", "schema": "<a/>"}  # DeepInfer's SamplingParams does not look inside
+    assert SamplingParams.from_request({"so_args": so_args}).so_args is so_args
 
 
 def test_none_values_are_dropped_before_construction() -> None:

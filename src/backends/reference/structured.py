@@ -1,0 +1,390 @@
+"""Structured outputs for the reference engine: DeepInfer's ``SamplingParams.so_args`` on the CPU, via llguidance.
+
+DeepInfer compiles ``so_args`` with xgrammar, which needs torch; the reference engine must stay light, so it uses
+llguidance (a dependency-free Rust library with a 32-bit-word token bitmask, ~10 us per mask on this vocabulary).
+The contract is DeepInfer's (``reference/deepinfer-engine.md`` section D):
+
+- ``schema_type`` ``json`` | ``regex`` | ``ebnf`` and ``schema``, a string: JSON-schema text, a regex, or a
+  GBNF grammar with a ``root`` rule. Optional ``trigger_token_ids`` (free text until that token sequence has
+  appeared in the output) and ``bound_token_id`` (needs a trigger; once emitted while the trigger is pending,
+  the rest of the trigger is forced, then the grammar applies). EOS is allowed only where the grammar accepts
+  and is the only choice once it is complete; after EOS the mask is full.
+- Raised by ``add_request``: ``serialized`` / ``bound_token_ids`` keys (ValueError), no ``schema`` (KeyError),
+  ``so_args`` not a mapping (TypeError; DeepInfer has no check). Everything else that is wrong (unknown
+  ``schema_type``, bad trigger or bound, a schema that does not compile) ends the request with DeepInfer's
+  ``FINISHED_SO_FAILED`` output instead. Stricter than DeepInfer: trigger or bound ids outside the vocabulary
+  fail too (they could never match, or could not be forced).
+- The bound token itself is emitted (then the rest of the trigger, after what the bound already matched); a bound
+  equal to EOS therefore ends the request like any EOS.
+- Masks apply to the model's top-K candidates; where the grammar allows none of them, the row becomes the allowed
+  tokens of highest context-free weight (``token_prior``), so a tiny model can still complete any grammar. Free
+  strings are continued as prose until the model happens to close them: bound them (``maxLength``, ``enum``,
+  ``pattern``) when a test needs the output to finish.
+
+Dialects: ``json`` is JSON Schema as llguidance implements it (draft 2020-12, properties in schema order,
+unsupported keywords ignored as xgrammar warns and ignores them), made strict like xgrammar's ``strict_mode=True``
+by ``strict_json_schema``; whitespace is free as with xgrammar's default ``any_whitespace``. A schema may also be a
+dict (xgrammar accepts both). ``regex`` is Rust ``regex`` syntax, matched against the whole output (``^``/``$``
+are accepted; no lookaround or backreferences). ``ebnf`` is GBNF, llama.cpp's dialect that xgrammar follows,
+translated to llguidance's Lark format by llguidance's own translator: rules made only of terminals become
+lexemes, which llguidance lexes greedily, so a grammar that depends on ambiguous tokenization of its terminals may
+accept less than under xgrammar. xgrammar's extensions beyond GBNF, such as lookahead assertions ``(= ...)``,
+fail the request (FINISHED_SO_FAILED), and so do Lark grammars, which DeepInfer would not accept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llguidance_np
+import numpy as np
+from llguidance.gbnf_to_lark import gbnf_to_lark
+from tokenizers import Tokenizer
+
+from .model import NGramModel
+
+SCHEMA_TYPES = frozenset({"json", "regex", "ebnf"})
+REJECTED_KEYS = ("serialized", "bound_token_ids")
+"""Keys DeepInfer's ``SOMatcherBuilder`` refuses synchronously with a ValueError."""
+
+GRAMMAR_CACHE_SIZE = 128
+"""Compiled grammars kept per engine, keyed by (schema_type, schema); failures are cached too."""
+
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True, "lenient": True}
+"""Like xgrammar's defaults: any whitespace, unsupported keywords ignored (xgrammar warns and ignores them)."""
+
+PARALLEL_MASK_ROWS = 8
+"""From this many grammar rows in a step, masks are computed by llguidance's thread pool (GIL released)."""
+
+FREE, FORCING, GRAMMAR, DONE = 0, 1, 2, 3
+"""Phases of a structured request: before its trigger, forcing the trigger, under the grammar, after EOS."""
+
+_SCHEMA_KEYS = (
+    "items",
+    "additionalProperties",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+)
+_SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OBJECT_KEYS = ("properties", "patternProperties", "required", "minProperties", "maxProperties")
+
+
+class StructuredOutputError(Exception):
+    """``so_args`` that DeepInfer would accept at ``add_request`` but fail asynchronously (FINISHED_SO_FAILED)."""
+
+
+def check_so_args(so_args: object) -> None:
+    """The synchronous checks of DeepInfer's ``add_request``; everything else fails later as SO_FAILED."""
+    if not isinstance(so_args, Mapping):
+        raise TypeError(f"so_args must be a dict, not {type(so_args).__name__}")
+    for key in REJECTED_KEYS:
+        if key in so_args:
+            raise ValueError(f"so_args key {key!r} is not supported")
+    if "schema" not in so_args:
+        raise KeyError("schema")
+
+
+def strict_json_schema(schema: Any) -> Any:
+    """A copy of ``schema`` with xgrammar's strict mode made explicit.
+
+    Strict mode forbids what the schema does not declare: objects without ``additionalProperties`` /
+    ``unevaluatedProperties`` get ``additionalProperties: false``, arrays without ``items`` /
+    ``unevaluatedItems`` get ``items: false`` (only their ``prefixItems``). llguidance has no such switch.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = dict(schema)
+    for key in _SCHEMA_KEYS:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_json_schema(out[key])
+    for key in _SCHEMA_LIST_KEYS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_json_schema(s) for s in out[key]]
+    for key in _SCHEMA_MAP_KEYS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_json_schema(s) for name, s in out[key].items()}
+    types = out.get("type")
+    type_set = set(types) if isinstance(types, list) else {types}
+    if ("object" in type_set or any(k in out for k in _OBJECT_KEYS)) and not (
+        "additionalProperties" in out or "unevaluatedProperties" in out
+    ):
+        out["additionalProperties"] = False
+    if ("array" in type_set or "prefixItems" in out) and not ("items" in out or "unevaluatedItems" in out):
+        out["items"] = False
+    return out
+
+
+def _kmp_failure(pattern: Sequence[int]) -> tuple[int, ...]:
+    """KMP failure function: for each prefix, the length of its longest proper border."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return tuple(fail)
+
+
+class StructuredState:
+    """One request's structured-output state: trigger matching, forced tokens, and its grammar matcher."""
+
+    __slots__ = ("bound", "fail", "forced", "matched", "matcher", "phase", "trigger")
+
+    def __init__(self, matcher: llguidance.LLMatcher, trigger: tuple[int, ...], bound: int | None) -> None:
+        self.matcher = matcher
+        self.trigger = trigger
+        self.fail = _kmp_failure(trigger)
+        self.bound = bound
+        self.matched = 0  # trigger tokens matched so far (KMP state) while FREE; forced so far while FORCING
+        self.forced: tuple[int, ...] = ()
+        self.phase = FREE if trigger else GRAMMAR
+
+    @property
+    def next_forced(self) -> int:
+        return self.forced[self.matched]
+
+    def advance(self, token: int, eos: int) -> bool:
+        """Account for one emitted token; False if the grammar (or a forced trigger) rejects it."""
+        phase = self.phase
+        if phase == GRAMMAR:
+            if not self.matcher.consume_token(token):
+                return False
+            if token == eos:
+                self.phase = DONE
+        elif phase == FREE:
+            trigger = self.trigger
+            k = self.matched
+            while k and trigger[k] != token:
+                k = self.fail[k - 1]
+            if trigger[k] == token:
+                k += 1
+            if k == len(trigger):
+                self.phase = GRAMMAR
+            elif token == self.bound:
+                self.forced = trigger[k:]  # the rest of the trigger; all of it unless the bound starts it
+                self.matched = 0
+                self.phase = FORCING
+                return True
+            self.matched = k
+        elif phase == FORCING:
+            if token != self.forced[self.matched]:
+                return False
+            self.matched += 1
+            if self.matched == len(self.forced):
+                self.phase = GRAMMAR
+        return True
+
+
+def token_prior(model: NGramModel) -> tuple[np.ndarray, np.ndarray]:
+    """A context-free weight per token for rows where the grammar allows none of the model's top-K candidates.
+
+    The model keeps only a top-K unigram, so the weight of a token is its probability summed over every bigram
+    context (how often the model would propose it anywhere), plus a small floor so that every token the
+    grammar allows can be drawn. Returns the ids ordered by descending weight and the weights (by id).
+    """
+    weights = np.bincount(
+        model.bigram_ids.ravel().astype(np.int64),
+        weights=model.bigram_probs.ravel().astype(np.float64),
+        minlength=model.vocab_size,
+    )[: model.vocab_size]
+    weights = weights / weights.sum()
+    weights = np.maximum(weights, 1e-6)
+    order = np.argsort(-weights, kind="stable")
+    return order, weights
+
+
+class StructuredOutputs:
+    """Per-engine structured-output machinery: the llguidance tokenizer, the grammar cache, batched masks."""
+
+    def __init__(self, tokenizer: Tokenizer, model: NGramModel, eos: int, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+        self.vocab_size = model.vocab_size
+        self.eos = eos
+        self._tokenizer = tokenizer
+        self._model = model
+        self._cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher | str] = OrderedDict()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._prior_order: np.ndarray | None = None
+        self._prior: np.ndarray | None = None
+        self._words = (self.vocab_size + 31) // 32
+        self._executor: llguidance.LLExecutor | None = None
+
+    # ---- compile ------------------------------------------------------------------------------------------
+
+    def compile(self, so_args: Mapping[str, Any]) -> StructuredState:
+        """A fresh state for a request; raises StructuredOutputError where DeepInfer fails asynchronously."""
+        schema_type = so_args.get("schema_type")
+        if schema_type not in SCHEMA_TYPES:
+            raise StructuredOutputError(f"unknown schema_type {schema_type!r}")
+        trigger = self._trigger(so_args.get("trigger_token_ids"))
+        bound = so_args.get("bound_token_id")
+        if bound is not None:
+            if not self._is_token(bound):
+                raise StructuredOutputError(f"bound_token_id must be a token id, got {bound!r}")
+            if not trigger:
+                raise StructuredOutputError("bound_token_id needs non-empty trigger_token_ids")
+        schema = so_args["schema"]
+        if schema_type == "json" and isinstance(schema, Mapping):
+            schema = json.dumps(schema)
+        if not isinstance(schema, str):
+            raise StructuredOutputError(f"schema must be a string, not {type(schema).__name__}")
+        template = self._compiled(schema_type, schema)
+        return StructuredState(template.deep_copy(), trigger, bound)
+
+    def _is_token(self, value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self.vocab_size
+
+    def _trigger(self, value: object) -> tuple[int, ...]:
+        if value is None:
+            return ()
+        if not isinstance(value, list | tuple) or not all(self._is_token(t) for t in value):
+            raise StructuredOutputError(f"trigger_token_ids must be a list of token ids, got {value!r}")
+        return tuple(value)
+
+    def _compiled(self, schema_type: str, schema: str) -> llguidance.LLMatcher:
+        """The cached pristine matcher for (schema_type, schema); requests get deep copies of it."""
+        key = (schema_type, schema)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._build(schema_type, schema)
+            self._cache[key] = entry
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        if isinstance(entry, str):
+            raise StructuredOutputError(entry)
+        return entry
+
+    def _build(self, schema_type: str, schema: str) -> llguidance.LLMatcher | str:
+        """Compile a grammar, or return the error message (cached like a grammar, so retries stay cheap)."""
+        try:
+            if schema_type == "json":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    strict_json_schema(json.loads(schema)), overrides=JSON_OPTIONS
+                )
+            elif schema_type == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(schema)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(schema))
+        except Exception as exc:  # malformed JSON, GBNF syntax errors: the translators raise various types
+            return f"{schema_type} schema does not compile: {exc}"
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            return f"{schema_type} schema does not compile: {matcher.get_error()}"
+        return matcher
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """Built on first use (~40 ms): engines that never see so_args never pay for it."""
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance.LLTokenizer(
+                self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self.eos
+            )
+        return self._ll_tokenizer
+
+    # ---- per step -----------------------------------------------------------------------------------------
+
+    def constrain(
+        self, states: Sequence[StructuredState], ids: np.ndarray, probs: np.ndarray, no_eos: np.ndarray
+    ) -> np.ndarray:
+        """Mask the candidate rows (``[n, K]``, modified in place) of structured requests for one token.
+
+        Forced rows become one-hot; grammar rows keep the model's allowed candidates, or, when the grammar
+        allows none of them, the K allowed tokens of highest prior weight. Returns the rows whose grammar
+        failed (matcher error or nothing allowed): they end with FINISHED_SO_FAILED instead of a token.
+        """
+        n = len(states)
+        failed = np.zeros(n, dtype=bool)
+        grammar_rows: list[int] = []
+        for i, state in enumerate(states):
+            if state.phase == GRAMMAR:
+                grammar_rows.append(i)
+            elif state.phase == FORCING:
+                _one_hot(ids[i], probs[i], state.next_forced)
+        if not grammar_rows:
+            return failed
+        rows = np.array(grammar_rows)
+        masks = np.empty((rows.size, self._words), dtype=np.int32)
+        if rows.size >= PARALLEL_MASK_ROWS:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance_np.fill_next_token_bitmask_par(
+                self._executor, [(states[i].matcher, j) for j, i in enumerate(grammar_rows)], masks
+            )
+        else:
+            row_bytes = masks.shape[1] * 4
+            for j, i in enumerate(grammar_rows):
+                states[i].matcher.unsafe_compute_mask_ptr(masks[j].ctypes.data, row_bytes)
+        for i in grammar_rows:
+            if states[i].matcher.is_error():
+                failed[i] = True
+        if no_eos.any():
+            self._mask_eos(masks, no_eos[rows])
+        cand = ids[rows]  # int64
+        allowed = (masks[np.arange(rows.size)[:, None], cand >> 5] >> (cand & 31)) & 1
+        sub = probs[rows] * allowed
+        probs[rows] = sub
+        empty = np.flatnonzero(sub.sum(axis=1) <= 0.0)
+        for j in empty.tolist():
+            i = grammar_rows[j]
+            if not failed[i] and not self._fallback(masks[j], ids[i], probs[i]):
+                failed[i] = True
+        return failed
+
+    def _mask_eos(self, masks: np.ndarray, rows: np.ndarray) -> None:
+        """``first_n_token_no_eos``: clear EOS in the masks of ``rows``, unless it is all the grammar allows."""
+        word, bit = divmod(self.eos, 32)
+        eos = np.int32(1 << bit) if bit < 31 else np.int32(np.iinfo(np.int32).min)
+        for j in np.flatnonzero(rows).tolist():
+            without = masks[j].copy()
+            without[word] &= ~eos
+            if without.any():
+                masks[j] = without
+
+    def _fallback(self, mask: np.ndarray, ids: np.ndarray, probs: np.ndarray) -> bool:
+        """Replace a row by the allowed tokens of highest prior weight; False if the grammar allows nothing."""
+        if self._prior_order is None:
+            self._prior_order, self._prior = token_prior(self._model)
+        order = self._prior_order
+        assert self._prior is not None
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little", count=self.vocab_size).view(bool)
+        ranked = bits[order]
+        k = ids.size
+        allowed = order[ranked][:k]
+        if allowed.size == 0:
+            return False
+        ids[: allowed.size] = allowed
+        probs[: allowed.size] = self._prior[allowed]
+        if allowed.size < k:  # pad with distinct disallowed ids at probability 0
+            ids[allowed.size :] = order[~ranked][: k - allowed.size]
+            probs[allowed.size :] = 0.0
+        return True
+
+    def advance(self, states: Sequence[StructuredState], tokens: Sequence[int]) -> list[int]:
+        """Advance each state by its emitted token; returns the indices whose token was rejected."""
+        eos = self.eos
+        return [i for i, (state, token) in enumerate(zip(states, tokens, strict=True)) if not state.advance(token, eos)]
+
+
+def _one_hot(ids: np.ndarray, probs: np.ndarray, token: int) -> None:
+    """Force ``token``: it becomes the row's only candidate (at its column, or in place of the last one)."""
+    at = np.flatnonzero(ids == token)
+    column = int(at[0]) if at.size else ids.size - 1
+    ids[column] = token
+    probs[:] = 0.0
+    probs[column] = 1.0
