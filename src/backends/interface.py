@@ -119,6 +119,7 @@ class Usage(NamedTuple):
 
     prompt_tokens: int
     completion_tokens: int
+    reasoning_tokens: int | None = None  # of the completion tokens, those spent reasoning (when known)
 
 
 class PromptEcho(NamedTuple):

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from backends.engine.detokenizer import IncrementalDetokenizer, TokenTable
 from backends.engine.driver import EngineDriver
-from backends.engine.protocol import EOS_TOKEN_ID, Engine, EngineOutput, FinishReason
+from backends.engine.protocol import Engine, EngineOutput, FinishReason, MetricSample
 from backends.engine.stop import StopMatcher
 from backends.errors import (
     BackendError,
@@ -28,19 +30,52 @@ from backends.interface import (
     GenerateRequest,
     PromptEcho,
     TokenLogprob,
+    ToolCallDelta,
     TopLogprob,
     Usage,
     reject_unsupported,
 )
 
+try:
+    _GATEWAY_VERSION = importlib.metadata.version("deepinfer-gateway")
+except importlib.metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    _GATEWAY_VERSION = "dev"
+
 LONG_PROMPT_CHARS = 16_384
 """Prompts longer than this are tokenized on a worker thread so the event loop never stalls on them."""
 
 
-class ChatTemplate(Protocol):
-    """Renders chat messages into the model family's prompt text (DeepSeek V4.1 for DeepInfer)."""
+class OutputParser(Protocol):
+    """The model family's parser of one choice's text into reasoning, content and tool calls, fed per step."""
 
-    def render(self, request: GenerateRequest) -> str: ...
+    @property
+    def in_reasoning(self) -> bool: ...
+
+    @property
+    def called(self) -> bool: ...
+
+    def push(self, text: str) -> tuple[str, str, Sequence[ToolCallDelta]]: ...
+
+    def finish(self) -> tuple[str, str, Sequence[ToolCallDelta]]: ...
+
+
+class ChatPrompt(NamedTuple):
+    """A rendered chat request: prompt text plus what decoding and output parsing need for it."""
+
+    text: str
+    parser: Callable[[], OutputParser] | None = None  # one parser per choice
+    so_args: dict[str, Any] | None = None  # DeepInfer structured-output arguments
+    so_param: str | None = None  # the request field that asked for constrained decoding, for error messages
+    reasoning_end_token: int | None = None  # id of the token that closes reasoning, to count reasoning tokens
+
+
+class ChatTemplate(Protocol):
+    """Renders chat messages into the model family's prompt (DeepSeek V4.1 for DeepInfer).
+
+    ``features`` (optional) names the ``REQUEST_FEATURES`` it implements; the backend honours them.
+    """
+
+    def render(self, request: GenerateRequest, tokenizer: Tokenizer) -> ChatPrompt: ...
 
 
 class EngineBackend:
@@ -58,6 +93,7 @@ class EngineBackend:
     ) -> None:
         self.name = name
         self.kind = kind
+        self.supported_features = type(self).supported_features | getattr(chat_template, "features", frozenset())
         self.driver = EngineDriver(engine_factory, name=name)
         self._chat_template = chat_template
         self._table: TokenTable | None = None
@@ -95,6 +131,16 @@ class EngineBackend:
     def in_flight(self) -> int:
         return self.driver.in_flight
 
+    @property
+    def fingerprint(self) -> str | None:
+        """The engine's ``system_fingerprint`` (engine, version, batch invariance), else the kind and version."""
+        return getattr(self.driver.engine, "fingerprint", None) or f"fp_{self.kind}-{_GATEWAY_VERSION}"
+
+    def metric_samples(self) -> Sequence[MetricSample]:
+        """Engine statistics for ``/metrics``, if the engine offers them (read at scrape time)."""
+        samples = getattr(self.driver.engine, "metric_samples", None)
+        return samples() if samples is not None else ()
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         if not self._started or not self.driver.alive:
             raise UnavailableError(f"backend {self.name!r} is not ready: {self.readiness()[1]}")
@@ -102,7 +148,7 @@ class EngineBackend:
         engine = self.driver.engine
         assert table is not None and engine is not None
         reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
-        prompt_ids = await self._prompt_ids(request, engine)
+        prompt_ids, chat = await self._prompt_ids(request, engine)
         max_tokens = _resolve_max_tokens(request, len(prompt_ids), engine.max_model_len)
         sampling = request.sampling
         params: dict[str, Any] = {
@@ -113,6 +159,8 @@ class EngineBackend:
             "ignore_eos": sampling.ignore_eos,
             "top_logprobs": sampling.top_logprobs if sampling.logprobs else 0,
         }
+        if chat is not None and chat.so_args is not None:
+            params["so_args"] = chat.so_args
         prompt_array = np.asarray(prompt_ids, dtype=np.int32)
         queue: asyncio.Queue[tuple[int, Sequence[EngineOutput] | BackendError]] = asyncio.Queue()
         put = queue.put_nowait
@@ -122,8 +170,18 @@ class EngineBackend:
 
         base = f"{request.request_id}#{next(self._ids)}"
         engine_ids = [f"{base}.{i}" for i in range(request.n)]
+        make_parser = chat.parser if chat is not None else None
+        reasoning_end = chat.reasoning_end_token if chat is not None else None
         choices = [
-            _Choice(index, table, table.new_detokenizer(), sampling.stop, sampling.logprobs)
+            _Choice(
+                index,
+                table,
+                table.new_detokenizer(),
+                sampling.stop,
+                sampling.logprobs,
+                make_parser() if make_parser is not None else None,
+                reasoning_end,
+            )
             for index in range(request.n)
         ]
         live = set(engine_ids)
@@ -140,9 +198,12 @@ class EngineBackend:
                 index, item = await queue.get()
                 if isinstance(item, BackendError):
                     live.discard(engine_ids[index])
-                    raise item
+                    raise _blame_constraint(item, chat)
                 choice = choices[index]
-                delta, finish = choice.consume(item)
+                try:
+                    delta, finish = choice.consume(item)
+                except InvalidRequestError as exc:
+                    raise _blame_constraint(exc, chat) from None
                 if finish is not None:
                     remaining -= 1
                     if not item[-1].finished:  # a stop string ended it: the engine still runs it
@@ -152,12 +213,14 @@ class EngineBackend:
                     yield delta
                 if finish is not None:
                     yield Finish(index, finish)
-            yield Usage(len(prompt_ids), sum(c.tokens for c in choices))
+            reasoning = sum(c.reasoning_tokens for c in choices) if make_parser is not None else None
+            yield Usage(len(prompt_ids), sum(c.tokens for c in choices), reasoning)
         finally:
             if live:
                 self.driver.abort(list(live))
 
-    async def _prompt_ids(self, request: GenerateRequest, engine: Engine) -> list[int]:
+    async def _prompt_ids(self, request: GenerateRequest, engine: Engine) -> tuple[list[int], ChatPrompt | None]:
+        chat: ChatPrompt | None = None
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
             vocab = engine.vocab_size
@@ -165,9 +228,10 @@ class EngineBackend:
                 raise InvalidRequestError(
                     f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_token_id"
                 )
-            return ids
+            return ids, None
         if request.messages is not None:
-            text = self._chat_template.render(request)
+            chat = self._chat_template.render(request, engine.tokenizer)
+            text = chat.text
             add_special_tokens = False  # the chat template writes BOS itself
         else:
             text = request.prompt or ""
@@ -180,7 +244,14 @@ class EngineBackend:
         ids = encoding.ids
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        return ids
+        return ids, chat
+
+
+def _blame_constraint(error: BackendError, chat: ChatPrompt | None) -> BackendError:
+    """An engine's refusal of a constrained request names the request field that asked for the constraint."""
+    if isinstance(error, InvalidRequestError) and error.param is None and chat is not None and chat.so_param:
+        error.param = chat.so_param
+    return error
 
 
 def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len: int) -> int:
@@ -206,19 +277,39 @@ def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len
 
 
 class _Choice:
-    """Turns one engine request's outputs into text deltas: detokenize, match stops, format logprobs."""
+    """Turns one engine request's outputs into deltas: detokenize, match stops, parse, format logprobs."""
 
-    __slots__ = ("_detok", "_logprobs", "_stop", "_table", "index", "tokens")
+    __slots__ = (
+        "_detok",
+        "_logprobs",
+        "_parser",
+        "_reasoning_end",
+        "_stop",
+        "_table",
+        "index",
+        "reasoning_tokens",
+        "tokens",
+    )
 
     def __init__(
-        self, index: int, table: TokenTable, detok: IncrementalDetokenizer, stops: list[str], logprobs: bool
+        self,
+        index: int,
+        table: TokenTable,
+        detok: IncrementalDetokenizer,
+        stops: list[str],
+        logprobs: bool,
+        parser: OutputParser | None = None,
+        reasoning_end: int | None = None,
     ) -> None:
         self.index = index
         self._table = table
         self._detok = detok
         self._stop = StopMatcher(stops) if stops else None
         self._logprobs = logprobs
+        self._parser = parser
+        self._reasoning_end = reasoning_end
         self.tokens = 0
+        self.reasoning_tokens = 0
 
     def consume(self, outputs: Sequence[EngineOutput]) -> tuple[Delta | None, str | None]:
         """Returns the delta to emit (if any) and the OpenAI finish reason once the choice is done."""
@@ -226,7 +317,9 @@ class _Choice:
         finish: str | None = None
         if last.finished:
             finish = _finish_reason(last)
-            real = list(outputs) if last.token_id != EOS_TOKEN_ID and finish == "length" else list(outputs[:-1])
+            # A "stop" finish carries the EOS token, which is not output; under ignore_eos an EOS sampled on the
+            # way to max_tokens ("length") is an ordinary token (empty text, but counted and given logprobs).
+            real = list(outputs[:-1]) if finish == FinishReason.STOP else list(outputs)
         else:
             real = outputs
         self.tokens = last.num_output_tokens
@@ -240,9 +333,42 @@ class _Choice:
             elif finish is not None:
                 text += self._stop.flush()
         logprobs = self._format_logprobs(real) if self._logprobs and real else None
+        if self._parser is not None:
+            return self._parse(text, real, logprobs, finish)
         if not text and logprobs is None:
             return None, finish
         return Delta(self.index, text, logprobs), finish
+
+    def _parse(
+        self, text: str, real: Sequence[EngineOutput], logprobs: list[TokenLogprob] | None, finish: str | None
+    ) -> tuple[Delta | None, str | None]:
+        """Split the step's text into reasoning, content and tool calls (the model family's parser)."""
+        parser = self._parser
+        assert parser is not None
+        was_reasoning = parser.in_reasoning
+        reasoning, content, calls = parser.push(text)
+        if finish is not None:
+            more_reasoning, more_content, more_calls = parser.finish()
+            reasoning += more_reasoning
+            content += more_content
+            calls = _merge_call_pieces(calls, more_calls)
+            if finish == "stop" and parser.called:
+                finish = "tool_calls"
+        if was_reasoning and real:
+            self.reasoning_tokens += self._count_reasoning(real, still=parser.in_reasoning and finish is None)
+        if not (reasoning or content or calls) and logprobs is None:
+            return None, finish
+        return Delta(self.index, content, logprobs, reasoning, calls or None), finish
+
+    def _count_reasoning(self, outputs: Sequence[EngineOutput], *, still: bool) -> int:
+        """Tokens of this step spent reasoning: all of them, or those up to and including the closing tag."""
+        if still:
+            return len(outputs)
+        end = self._reasoning_end
+        for position, output in enumerate(outputs):
+            if output.token_id == end:
+                return position + 1
+        return len(outputs)
 
     def _format_logprobs(self, outputs: Sequence[EngineOutput]) -> list[TokenLogprob]:
         text_of, bytes_of = self._table.text_of, self._table.raw_bytes_of
@@ -260,6 +386,18 @@ class _Choice:
         ]
 
 
+def _merge_call_pieces(first: Sequence[ToolCallDelta], second: Sequence[ToolCallDelta]) -> Sequence[ToolCallDelta]:
+    """Concatenate tool-call pieces, joining a call's header and its arguments when they meet."""
+    if not second:
+        return first
+    if not first:
+        return second
+    last, head = first[-1], second[0]
+    if head.index == last.index and head.id is None:
+        return [*first[:-1], last._replace(arguments=last.arguments + head.arguments), *second[1:]]
+    return [*first, *second]
+
+
 def _finish_reason(output: EngineOutput) -> str:
     """Maps DeepInfer's finish reasons to OpenAI's, raising for those that are errors to the client."""
     reason = output.finish_reason
@@ -275,4 +413,12 @@ def _finish_reason(output: EngineOutput) -> str:
             retry_after=1.0,
             code="insufficient_system_resource",
         )
+    if reason == FinishReason.SO_FAILED:
+        if output.num_output_tokens <= 1:  # before the first token: the grammar did not compile
+            raise InvalidRequestError(
+                "the engine could not compile the output constraint of this request (response_format or "
+                "tool_choice); check the schema, regex or grammar",
+                code="invalid_output_constraint",
+            )
+        raise UpstreamError("the engine's output constraint failed during generation", code="output_constraint_failed")
     raise UpstreamError(f"the engine ended the request with finish_reason {reason!r}")

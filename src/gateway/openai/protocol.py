@@ -6,14 +6,18 @@ at their default values and rejected with a 400 naming them otherwise: silence w
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 from backends.interface import SamplingOptions
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOKENS_LIMIT = 2**31 - 1
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+RESPONSE_FORMATS = {"text": None, "json_object": None, "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
+"""``response_format`` types and the key each one needs; ``regex`` and ``ebnf`` are extensions."""
 
 
 class _Body(BaseModel):
@@ -27,6 +31,7 @@ class ChatMessage(_Body):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = Field(None, description="vLLM's name for reasoning_content; either is accepted")
     refusal: str | None = None
 
     @field_validator("content")
@@ -138,13 +143,19 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Accepted at their defaults only (see the validator).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    reasoning_effort: str | int | None = None
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description='text, json_object, json_schema; extensions: {"type": "regex", "regex": ...}, '
+        '{"type": "ebnf", "ebnf": ...}',
+    )
+    reasoning_effort: StrictStr | StrictInt | None = Field(
+        None, description="none, minimal, low, medium, high, xhigh, max, or (extension) an integer from 1 to 100"
+    )
     chat_template_kwargs: dict[str, Any] | None = Field(None, description='extension: e.g. {"thinking": true}')
+    # Accepted at their defaults only (see the validator).
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -157,6 +168,71 @@ class ChatCompletionRequest(_Sampling):
     verbosity: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        names: set[str] = set()
+        for i, tool in enumerate(value or ()):
+            if tool.get("type") != "function":
+                raise ValueError(f"tools[{i}].type must be 'function'")
+            function = tool.get("function")
+            if not isinstance(function, dict):
+                raise ValueError(f"tools[{i}].function must be an object")
+            name = function.get("name")
+            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+                raise ValueError(f"tools[{i}].function.name must be 1-64 letters, digits, underscores or dashes")
+            if name in names:
+                raise ValueError(f"tools[{i}].function.name {name!r} is given twice")
+            names.add(name)
+            parameters = function.get("parameters")
+            if parameters is not None and not isinstance(parameters, dict):
+                raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_shape(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(value, str):
+            if value not in ("none", "auto", "required"):
+                raise ValueError("expected 'none', 'auto', 'required' or a function object")
+        elif value is not None:
+            function = value.get("function")
+            if value.get("type") != "function" or not isinstance(function, dict):
+                raise ValueError('expected {"type": "function", "function": {"name": ...}}')
+            if not isinstance(function.get("name"), str):
+                raise ValueError("tool_choice.function.name must be a string")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_shape(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return value
+        kind = value.get("type")
+        if kind not in RESPONSE_FORMATS:
+            raise ValueError(f"type must be one of {', '.join(RESPONSE_FORMATS)}")
+        key = RESPONSE_FORMATS[kind]
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise ValueError("json_schema needs a 'json_schema' object with a 'name' (and a 'schema')")
+        elif key is not None and not isinstance(value.get(key), str):
+            raise ValueError(f"{kind} needs a string '{key}'")
+        return value
+
+    def tool_choice_problem(self) -> str | None:
+        """Why ``tool_choice`` does not fit ``tools`` (OpenAI answers these with a 400), or None."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        if not self.tools:
+            return "tool_choice 'required' or a named function needs tools"
+        if isinstance(choice, dict):
+            name = choice["function"]["name"]
+            if all(tool["function"]["name"] != name for tool in self.tools):
+                return f"tool_choice names the function {name!r}, which is not in tools"
+        return None
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from backends.interface import Delta, Finish, PromptEcho, TokenLogprob, Usage
+from backends.interface import Delta, Finish, PromptEcho, TokenLogprob, ToolCallDelta, Usage
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
@@ -19,12 +19,33 @@ def sse_frame(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def usage_dict(usage: Usage) -> dict[str, int]:
-    return {
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
+    if usage.reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return body
+
+
+def tool_call_chunks(pieces: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
+    """Streamed ``tool_calls`` entries: a call's first piece has its id, type and name, later ones arguments."""
+    out = []
+    for piece in pieces:
+        if piece.id is not None:
+            out.append(
+                {
+                    "index": piece.index,
+                    "id": piece.id,
+                    "type": "function",
+                    "function": {"name": piece.name or "", "arguments": piece.arguments},
+                }
+            )
+        else:
+            out.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+    return out
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
@@ -50,6 +71,8 @@ class ChatFormat:
         self.n = n
         self._role_sent = [False] * n
         self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._reasoning: list[list[str]] = [[] for _ in range(n)]
+        self._calls: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         self._logprobs: list[list[dict[str, Any]] | None] = [None] * n
         self._finish: list[str] = ["stop"] * n
 
@@ -71,6 +94,14 @@ class ChatFormat:
             if not self._role_sent[index]:
                 self._role_sent[index] = True
                 delta = {"role": "assistant", "content": event.text}
+            if event.reasoning:
+                delta["reasoning_content"] = event.reasoning
+                if not event.text:
+                    delta["content"] = None
+            if event.tool_calls:
+                delta["tool_calls"] = tool_call_chunks(event.tool_calls)
+                if not event.text:
+                    delta["content"] = None
             logprobs = {"content": chat_logprobs(event.logprobs), "refusal": None} if event.logprobs else None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
             return sse_frame(self._chunk([choice]))
@@ -90,6 +121,16 @@ class ChatFormat:
     def add(self, event: Delta | Finish | PromptEcho) -> None:
         if isinstance(event, Delta):
             self._texts[event.index].append(event.text)
+            if event.reasoning:
+                self._reasoning[event.index].append(event.reasoning)
+            if event.tool_calls:
+                calls = self._calls[event.index]
+                for piece in event.tool_calls:  # pieces of one call share its index; the first names it
+                    if piece.index >= len(calls):
+                        function = {"name": piece.name or "", "arguments": piece.arguments}
+                        calls.append({"id": piece.id or "", "type": "function", "function": function})
+                    else:
+                        calls[piece.index]["function"]["arguments"] += piece.arguments
             if event.logprobs:
                 collected = self._logprobs[event.index]
                 if collected is None:
@@ -104,14 +145,13 @@ class ChatFormat:
             logprobs = None
             if want_logprobs:
                 logprobs = {"content": self._logprobs[i] or [], "refusal": None}
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": "".join(self._texts[i]), "refusal": None},
-                    "logprobs": logprobs,
-                    "finish_reason": self._finish[i],
-                }
-            )
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(self._texts[i]), "refusal": None}
+            if self._reasoning[i]:
+                message["reasoning_content"] = "".join(self._reasoning[i])
+            if self._calls[i]:
+                message["tool_calls"] = self._calls[i]
+                message["content"] = message["content"] or None
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": self._finish[i]})
         body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion",

@@ -1,0 +1,365 @@
+"""DeepSeek V4.1 on the OpenAI API, end to end on the reference engine with the official SDK: thinking mode and
+``reasoning_content``, tools in and tool calls out (forced with constrained decoding, since the tiny model never
+calls a tool by itself), structured outputs, seeds, and the 400s for bad requests. Bodies and stream chunks are
+checked against OpenAI's schemas."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import orjson
+import pytest
+
+from backends.deepseek.chat import DeepSeekV41ChatTemplate
+from backends.engine.backend import EngineBackend
+from backends.reference import ReferenceEngine, ReferenceEngineArgs
+from gateway.config import GatewayConfig
+
+from ..conformance import OpenAISchemas
+from ..conftest import MODEL, start_gateway, stop_gateway
+
+QUESTION = [{"role": "user", "content": "Tell me about files."}]
+MODE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_mode",
+        "description": "Switch the mode",
+        "parameters": {
+            "type": "object",
+            "properties": {"mode": {"enum": ["fast", "safe"]}, "on": {"type": "boolean"}},
+            "required": ["mode", "on"],
+        },
+    },
+}
+PING_TOOL = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+SET_MODE = {"type": "function", "function": {"name": "set_mode"}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green"]},
+        "note": {"type": "string", "maxLength": 12},
+    },
+    "required": ["ok", "color", "note"],
+}
+
+
+def chat(http: httpx.Client, **fields: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 300, **fields}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream_chunks(http: httpx.Client, **fields: Any) -> list[dict[str, Any]]:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 300, "stream": True, **fields}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        payloads = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    return [orjson.loads(p) for p in payloads[:-1]]
+
+
+def reasoned_answer(http: httpx.Client, **fields: Any) -> tuple[int, dict[str, Any]]:
+    """A seed whose thinking-mode reply closes its reasoning and answers within max_tokens, and that reply."""
+    for seed in range(12):
+        body = chat(http, seed=seed, **fields)
+        message = body["choices"][0]["message"]
+        if body["choices"][0]["finish_reason"] == "stop" and message.get("reasoning_content") and message["content"]:
+            return seed, body
+    raise AssertionError("no seed in 0-11 gave reasoning and an answer within 300 tokens")
+
+
+# ---- thinking ----------------------------------------------------------------------------------------------
+
+
+def test_chat_mode_reply_has_no_reasoning_content(http: httpx.Client, schemas: OpenAISchemas) -> None:
+    body = chat(http, seed=3)
+    schemas.check("CreateChatCompletionResponse", body)
+    message = body["choices"][0]["message"]
+    assert "reasoning_content" not in message and message["content"]
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+
+
+def test_reasoning_effort_turns_thinking_on_with_reasoning_content(http: httpx.Client, schemas: OpenAISchemas) -> None:
+    _, body = reasoned_answer(http, reasoning_effort="high")
+    schemas.check("CreateChatCompletionResponse", body)
+    message = body["choices"][0]["message"]
+    assert "<think>" not in message["content"] and "</think>" not in message["reasoning_content"]
+    usage = body["usage"]
+    assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"chat_template_kwargs": {"thinking": True}}, {"chat_template_kwargs": {"enable_thinking": True}}],
+    ids=["thinking", "enable_thinking"],
+)
+def test_chat_template_kwargs_turn_thinking_on(http: httpx.Client, fields: dict[str, Any]) -> None:
+    _, body = reasoned_answer(http, **fields)
+    assert body["choices"][0]["message"]["reasoning_content"]
+
+
+@pytest.fixture(scope="module")
+def thinking_by_default() -> Iterator[httpx.Client]:
+    """A gateway whose reference backend has ``default_thinking: true`` (the chat template's switch)."""
+    backend = EngineBackend(
+        "thinker",
+        "reference",
+        lambda: ReferenceEngine.from_engine_args(ReferenceEngineArgs()),
+        DeepSeekV41ChatTemplate(default_thinking=True),
+    )
+    config = GatewayConfig(
+        backends=[{"name": "thinker", "kind": "reference", "default_thinking": True}],
+        models=[{"name": MODEL, "backends": ["thinker"]}],
+    )
+    running = start_gateway(config, backends={"thinker": backend})
+    with httpx.Client(base_url=running.base_url, timeout=60) as client:
+        yield client
+    stop_gateway(running)
+
+
+def test_backend_defaulting_to_thinking_reasons_unless_the_request_says_otherwise(
+    thinking_by_default: httpx.Client,
+) -> None:
+    _, body = reasoned_answer(thinking_by_default)
+    assert body["choices"][0]["message"]["reasoning_content"]
+    for fields in ({"reasoning_effort": "minimal"}, {"chat_template_kwargs": {"thinking": False}}):
+        message = chat(thinking_by_default, seed=0, **fields)["choices"][0]["message"]
+        assert "reasoning_content" not in message, fields
+
+
+def test_reasoning_effort_none_means_chat_mode(http: httpx.Client) -> None:
+    for seed in range(3):
+        message = chat(http, seed=seed, reasoning_effort="none", chat_template_kwargs={"thinking": True})["choices"][0]
+        assert "reasoning_content" not in message["message"]
+
+
+def test_streamed_thinking_sends_reasoning_deltas_then_content_and_matches_the_whole_reply(
+    http: httpx.Client, schemas: OpenAISchemas
+) -> None:
+    seed, whole = reasoned_answer(http, reasoning_effort="low")
+    chunks = stream_chunks(http, seed=seed, reasoning_effort="low", stream_options={"include_usage": True})
+    for chunk in chunks:
+        schemas.check("CreateChatCompletionStreamResponse", chunk)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and deltas[0]["reasoning_content"], "the first frame carries reasoning"
+    kinds = [
+        "reasoning" if d.get("reasoning_content") else "content"
+        for d in deltas
+        if d.get("content") or d.get("reasoning_content")
+    ]
+    assert kinds == sorted(kinds, key=lambda k: k == "content"), "all reasoning comes before the answer"
+    message = whole["choices"][0]["message"]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    assert chunks[-1]["usage"]["completion_tokens_details"] == whole["usage"]["completion_tokens_details"]
+
+
+def test_sdk_reads_reasoning_content_and_same_seed_gives_same_reply(client: openai.OpenAI) -> None:
+    args = {"model": MODEL, "messages": QUESTION, "max_tokens": 120, "seed": 21, "reasoning_effort": "high"}
+    first = client.chat.completions.create(**args)
+    second = client.chat.completions.create(**args)
+    reasoning = first.choices[0].message.model_extra.get("reasoning_content")  # type: ignore[union-attr]
+    assert reasoning
+    assert second.choices[0].message.model_extra.get("reasoning_content") == reasoning  # type: ignore[union-attr]
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert first.system_fingerprint is not None and first.system_fingerprint.startswith("fp_reference-")
+
+
+# ---- tools -------------------------------------------------------------------------------------------------
+
+
+def test_tools_are_rendered_into_the_prompt(http: httpx.Client) -> None:
+    plain = chat(http, max_tokens=1)["usage"]["prompt_tokens"]
+    with_tools = chat(http, max_tokens=1, tools=[MODE_TOOL])["usage"]["prompt_tokens"]
+    without = chat(http, max_tokens=1, tools=[MODE_TOOL], tool_choice="none")["usage"]["prompt_tokens"]
+    assert with_tools > plain + 100 and without == plain
+
+
+def test_auto_tool_choice_with_no_call_is_an_ordinary_reply(http: httpx.Client, schemas: OpenAISchemas) -> None:
+    body = chat(http, seed=2, max_tokens=40, tools=[MODE_TOOL])
+    schemas.check("CreateChatCompletionResponse", body)
+    choice = body["choices"][0]
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] in ("stop", "length")
+
+
+def test_named_tool_choice_returns_that_call_with_valid_arguments(client: openai.OpenAI, http: httpx.Client) -> None:
+    args = {"model": MODEL, "messages": QUESTION, "max_tokens": 300, "seed": 4, "tools": [MODE_TOOL, PING_TOOL]}
+    reply = client.chat.completions.create(**args, tool_choice=SET_MODE)  # type: ignore[arg-type]
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls is not None and len(calls) == 1
+    call = calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "set_mode"
+    arguments = json.loads(call.function.arguments)
+    assert arguments["mode"] in ("fast", "safe") and isinstance(arguments["on"], bool)
+
+
+def test_required_tool_choice_in_thinking_mode_reasons_then_calls(http: httpx.Client, schemas: OpenAISchemas) -> None:
+    body = chat(http, seed=1, tools=[MODE_TOOL, PING_TOOL], tool_choice="required", reasoning_effort="high")
+    schemas.check("CreateChatCompletionResponse", body)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"]
+    names = [call["function"]["name"] for call in choice["message"]["tool_calls"]]
+    assert names and set(names) <= {"set_mode", "ping"}
+    for call in choice["message"]["tool_calls"]:
+        assert isinstance(json.loads(call["function"]["arguments"]), dict)
+
+
+def test_streamed_tool_call_chunks_conform_and_rebuild_the_call(http: httpx.Client, schemas: OpenAISchemas) -> None:
+    fields = {"seed": 4, "tools": [MODE_TOOL, PING_TOOL], "tool_choice": SET_MODE}
+    chunks = stream_chunks(http, **fields)
+    for chunk in chunks:
+        schemas.check("CreateChatCompletionStreamResponse", chunk)
+    pieces = [p for c in chunks for p in c["choices"][0]["delta"].get("tool_calls") or ()]
+    assert pieces[0]["index"] == 0 and pieces[0]["type"] == "function" and pieces[0]["id"].startswith("call_")
+    assert pieces[0]["function"]["name"] == "set_mode"
+    assert all(p["index"] == 0 and "id" not in p for p in pieces[1:])
+    arguments = "".join(p["function"].get("arguments", "") for p in pieces)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    whole = chat(http, **fields)["choices"][0]["message"]["tool_calls"][0]
+    assert json.loads(arguments) == json.loads(whole["function"]["arguments"])
+
+
+def test_sdk_streams_tool_call_deltas_by_index(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=300,
+        seed=4,
+        tools=[MODE_TOOL],  # type: ignore[list-item]
+        tool_choice="required",
+        stream=True,
+    )
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            if delta.function and delta.function.name:
+                entry["name"] += delta.function.name
+            if delta.function and delta.function.arguments:
+                entry["arguments"] += delta.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls
+    assert all(
+        c["name"] == "set_mode" and json.loads(c["arguments"])["mode"] in ("fast", "safe") for c in calls.values()
+    )
+
+
+def test_tool_call_history_and_tool_results_are_accepted(client: openai.OpenAI) -> None:
+    messages = [
+        {"role": "user", "content": "Go fast."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_a", "type": "function", "function": {"name": "set_mode", "arguments": '{"mode": "fast"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_a", "content": "done"},
+    ]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        tools=[MODE_TOOL],  # type: ignore[list-item]
+        max_tokens=8,
+        seed=1,
+    )
+    assert reply.choices[0].message.role == "assistant"
+
+
+# ---- structured outputs ------------------------------------------------------------------------------------
+
+
+def test_json_schema_reply_is_json_valid_for_the_schema(client: openai.OpenAI) -> None:
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_tokens=300,
+            seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "note", "schema": SCHEMA}},
+        )
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content or ""), SCHEMA)
+
+
+def test_json_schema_in_thinking_mode_applies_after_the_reasoning(http: httpx.Client) -> None:
+    format_ = {"type": "json_schema", "json_schema": {"name": "note", "schema": SCHEMA}}
+    message = chat(http, seed=1, response_format=format_, reasoning_effort="low")["choices"][0]["message"]
+    assert message["reasoning_content"]
+    jsonschema.validate(json.loads(message["content"]), SCHEMA)
+
+
+def test_regex_extension_constrains_the_reply(http: httpx.Client) -> None:
+    body = chat(http, seed=5, response_format={"type": "regex", "regex": "(yes|no), [a-z]{2,8}"})
+    content = body["choices"][0]["message"]["content"]
+    head, _, word = content.partition(", ")
+    assert head in ("yes", "no") and word.isalpha() and word.islower() and 2 <= len(word) <= 8
+
+
+def test_same_seed_gives_the_same_reasoned_formatted_reply_alone_and_among_32_concurrent_requests(
+    http: httpx.Client,
+) -> None:
+    format_ = {"type": "json_schema", "json_schema": {"name": "note", "schema": SCHEMA}}
+    target = {"seed": 7, "max_tokens": 200, "reasoning_effort": "low", "response_format": format_}
+    alone = chat(http, **target)["choices"][0]["message"]
+    others = [{"seed": 100 + i, "max_tokens": 40, "temperature": 0.9} for i in range(32)]
+    with ThreadPoolExecutor(max_workers=33) as pool:
+        futures = [pool.submit(chat, http, **fields) for fields in [*others[:16], target, *others[16:]]]
+        replies = [f.result()["choices"][0]["message"] for f in futures]
+    together = replies[16]
+    assert together["reasoning_content"] == alone["reasoning_content"] and together["content"] == alone["content"]
+    assert len({r["content"] for r in replies}) > 2, "the other requests really ran with their own seeds"
+
+
+# ---- bad requests ------------------------------------------------------------------------------------------
+
+BAD = [
+    pytest.param(
+        {"tools": [MODE_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+        id="unknown-tool",
+    ),
+    pytest.param({"tool_choice": "required"}, "tool_choice", id="required-without-tools"),
+    pytest.param({"tools": [MODE_TOOL], "tool_choice": "always"}, "tool_choice", id="unknown-tool-choice"),
+    pytest.param(
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "dict"}}}},
+        "response_format",
+        id="invalid-schema",
+    ),
+    pytest.param({"response_format": {"type": "regex", "regex": "(unclosed"}}, "response_format", id="invalid-regex"),
+    pytest.param(
+        {"response_format": {"type": "json_object"}, "tools": [MODE_TOOL]}, "response_format", id="format-and-tools"
+    ),
+    pytest.param({"reasoning_effort": "extreme"}, "reasoning_effort", id="unknown-effort"),
+    pytest.param({"reasoning_effort": 101}, "reasoning_effort", id="effort-out-of-range"),
+    pytest.param({"reasoning_effort": True}, "reasoning_effort", id="effort-boolean"),
+    pytest.param({"chat_template_kwargs": {"bogus": 1}}, "chat_template_kwargs.bogus", id="unknown-template-kwarg"),
+    pytest.param({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", id="bad-tool-name"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_bad_deepseek_request_is_a_400_naming_the_parameter(
+    http: httpx.Client, schemas: OpenAISchemas, fields: dict[str, Any], param: str, stream: bool
+) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "stream": stream, **fields}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()
+    schemas.check("ErrorResponse", error)
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["param"] == param, error
