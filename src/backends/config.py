@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
 
 class _Strict(BaseModel):
@@ -30,38 +32,178 @@ class ReferenceBackendConfig(_Strict):
     max_queue: int = Field(256, ge=0, description="requests that may wait for a slot; beyond: 503")
     queue_timeout: float = Field(30.0, gt=0, description="longest wait for a slot before a 503")
     seed: int | None = Field(None, description="seed for requests that bring none; unset: random like DeepInfer")
+    default_thinking: bool = Field(False, description="thinking mode for chats that do not ask (docs/deepseek.md)")
     timing: TimingModel = TimingModel()
+    # Data parallelism (docs/data-parallel.md): one engine per rank, each in its own worker process.
+    data_parallel_size: int = Field(1, ge=1, le=256, description="engine ranks; above 1, one worker process each")
+    worker_processes: bool | None = Field(
+        None, description="run the engine(s) in worker processes; default: only when data_parallel_size > 1"
+    )
+    lockstep: bool = Field(False, description="ranks step together, as DeepInfer's DP collectives require")
+    worker_transport: Literal["ipc", "tcp"] = Field("ipc", description="how local workers are reached")
+    worker_endpoints: list[Annotated[str, Field(pattern=r"^tcp://[^:/]+:\d+$")]] = Field(
+        default_factory=list,
+        description="remote ranks started elsewhere (python -m backends.workers.worker), one tcp://host:port each",
+    )
+
+    @model_validator(mode="after")
+    def _check_data_parallel(self) -> ReferenceBackendConfig:
+        if self.worker_endpoints and len(self.worker_endpoints) != self.data_parallel_size:
+            raise ValueError("worker_endpoints must list exactly data_parallel_size endpoints, one per rank")
+        if self.worker_processes is False and (self.data_parallel_size > 1 or self.worker_endpoints):
+            raise ValueError("data_parallel_size > 1 and worker_endpoints need worker processes")
+        return self
+
+    @property
+    def uses_workers(self) -> bool:
+        """Whether the engines run in worker processes (``DataParallelBackend``) rather than in the gateway."""
+        if self.worker_processes is not None:
+            return self.worker_processes
+        return self.data_parallel_size > 1 or bool(self.worker_endpoints)
 
 
 class DeepInferBackendConfig(_Strict):
-    """DeepSeek's DeepInfer engine in process (SM100 / Ascend 950)."""
+    """DeepSeek's DeepInfer engine in process (SM100 / Ascend 950); see docs/deepinfer.md.
+
+    Every field maps to DeepInfer's ``EngineArgs`` or to the process environment the engine reads; checks that
+    DeepInfer would only make with an ``assert`` deep inside construction are made here, so a bad file fails
+    ``config check`` instead of a GPU start-up minutes later.
+    """
 
     name: str
     kind: Literal["deepinfer"] = "deepinfer"
     model: str = Field(description="local model directory, or a repo id already in the Hugging Face cache")
+    revision: str | None = Field(None, description="branch, tag or commit of a repo id in the HF cache (main)")
+    tokenizer: str | None = Field(None, description="tokenizer directory; default: the model directory")
+    served_model_name: str | None = Field(None, description="the engine's own label in its logs; default: name")
     max_model_len: int = Field(ge=16, description="required: DeepInfer's default of 4096 must not leak through")
-    max_num_seqs: int = Field(256, ge=1)
+    max_num_seqs: int = Field(256, ge=1, description="running requests per engine step (sizes CUDA graphs)")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per prefill step; unset: derived")
     expert_parallel_size: int = Field(1, ge=1)
-    context_parallel_size: int = Field(1, ge=1)
-    data_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1, description="GPUs this process drives (CP ranks)")
+    data_parallel_size: int = Field(1, ge=1, description="DP ranks; the gateway drives one rank per process")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     chunked_prefill: bool = False
-    visible_devices: str | None = None
-    env: dict[str, str] = Field(default_factory=dict, description="DEEPINFER_* variables set before import")
+    stop_preempted_request: bool = Field(
+        True, description="KV pressure ends the longest request (503 insufficient_system_resource) vs recomputes it"
+    )
+    log_stats: bool = Field(False, description="DeepInfer's own [stats] log lines; /metrics works either way")
+    seed: int = Field(0, ge=0, description="engine RNG seed; per-request sampling seeds come from requests")
+    load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: synthetic weights (smoke tests)")
+    trust_remote_code: bool = False
+    default_thinking: bool = Field(False, description="thinking mode for chats that do not ask (docs/deepseek.md)")
+    accelerator: Literal["nvidia", "ascend"] = "nvidia"
+    visible_devices: str | None = Field(
+        None,
+        pattern=r"^\d+(,\d+)*$",
+        description="CUDA_VISIBLE_DEVICES (and ASCEND_RT_VISIBLE_DEVICES on Ascend), driver GPU first; "
+        "unset: the process's own value, else the first context_parallel_size devices",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="variables set before deepinfer is imported (DEEPINFER_*, NCCL_*, ...)"
+    )
+
+    @model_validator(mode="after")
+    def _check_engine_arguments(self) -> DeepInferBackendConfig:
+        cp, dp, ep = self.context_parallel_size, self.data_parallel_size, self.expert_parallel_size
+        if dp != 1:
+            raise ValueError(
+                "data_parallel_size > 1 needs one engine process per DP rank stepping in lockstep, which the "
+                "gateway's driver does not do yet (issue 6); use context_parallel_size for more GPUs per process"
+            )
+        if (cp * dp) % ep:
+            raise ValueError(
+                f"expert_parallel_size ({ep}) must divide context_parallel_size x data_parallel_size ({cp * dp}): "
+                "DeepInfer shards experts over the GPUs of this process"
+            )
+        if self.visible_devices is not None and len(self.visible_devices.split(",")) < cp:
+            raise ValueError(f"visible_devices must list at least context_parallel_size ({cp}) devices")
+        for key in self.env:
+            if not _ENV_NAME.fullmatch(key):
+                raise ValueError(f"env: {key!r} is not an environment variable name (A-Z, 0-9, _)")
+            if key in _DEVICE_VARIABLES:
+                raise ValueError(f"env: set {key} with visible_devices, not env")
+        for key, check in _ENV_CHECKS.items():
+            value = self.env.get(key)
+            if value is not None and not check(value):
+                raise ValueError(f"env: {key}={value!r} is not a valid value ({_ENV_HINTS[key]})")
+        nextn = int(self.env.get("DEEPINFER_USE_NEXTN_DECODE", "5"))
+        if self.max_num_batched_tokens is not None:
+            if self.max_num_batched_tokens < self.max_num_seqs * (1 + nextn):
+                raise ValueError(
+                    f"max_num_batched_tokens must be at least max_num_seqs x (1 + DEEPINFER_USE_NEXTN_DECODE) "
+                    f"= {self.max_num_seqs * (1 + nextn)}"
+                )
+            if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError("max_num_batched_tokens below max_model_len needs chunked_prefill: true")
+        if self.accelerator == "ascend" and _deepinfer_bool(self.env.get("DEEPINFER_BATCH_INVARIANT", "0")):
+            raise ValueError("env: DEEPINFER_BATCH_INVARIANT is NVIDIA-only; DeepInfer refuses it on Ascend")
+        return self
+
+
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+_DEVICE_VARIABLES = frozenset({"CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"})
+
+
+def _deepinfer_bool(value: str) -> bool:
+    """DeepInfer's reading of a boolean variable: false for 0, empty, false and False."""
+    return value not in ("0", "", "false", "False")
+
+
+def _int_at_least(minimum: int) -> Callable[[str], bool]:
+    def check(value: str) -> bool:
+        return value.strip().lstrip("-").isdigit() and int(value) >= minimum
+
+    return check
+
+
+_ENV_CHECKS: dict[str, Callable[[str], bool]] = {
+    "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": _int_at_least(1),
+    "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": _int_at_least(1),
+    "DEEPINFER_USE_NEXTN_DECODE": _int_at_least(0),
+    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": _int_at_least(0),
+    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": lambda v: v in ("off", "mask", "compact"),
+}
+_ENV_HINTS = {
+    "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "an integer >= 1",
+    "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": "an integer >= 1",
+    "DEEPINFER_USE_NEXTN_DECODE": "an integer >= 0; 0 turns speculative decoding off",
+    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "an integer >= 0",
+    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "off, mask or compact",
+}
 
 
 class LMDeployBackendConfig(_Strict):
-    """One or more LMDeploy ``api_server`` nodes reached over HTTP."""
+    """One or more LMDeploy ``api_server`` nodes reached over HTTP (see docs/lmdeploy.md)."""
 
     name: str
     kind: Literal["lmdeploy"] = "lmdeploy"
-    urls: list[HttpUrl] = Field(min_length=1)
-    api_key: str | None = None
-    model: str | None = Field(None, description="upstream model name; discovered from /v1/models if unset")
-    max_connections: int = Field(100, ge=1)
+    urls: list[HttpUrl] = Field(min_length=1, description="base URLs of the api_server nodes, without /v1")
+    api_key: str | None = Field(None, description="bearer token the nodes were started with (--api-keys)")
+    model: str | None = Field(None, description="upstream model name; discovered from each node's /v1/models if unset")
+    model_map: dict[str, str] = Field(
+        default_factory=dict, description="public model name -> upstream name (e.g. a LoRA adapter); wins over model"
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="the nodes' --session-len: the max_tokens sent when a request gives none"
+    )
+    max_connections: int = Field(100, ge=1, description="pooled connections to all nodes together")
+    keepalive_timeout: float = Field(
+        4.0, gt=0, description="seconds an idle pooled connection is kept; below uvicorn's 5 s on the nodes"
+    )
     connect_timeout: float = Field(5.0, gt=0)
-    read_timeout: float = Field(600.0, gt=0)
-    health_interval: float = Field(5.0, gt=0)
+    first_byte_timeout: float | None = Field(
+        None, gt=0, description="seconds to the first stream event (queueing + prefill); unset: read_timeout"
+    )
+    read_timeout: float = Field(600.0, gt=0, description="seconds a node may stay silent between stream events")
+    total_timeout: float | None = Field(None, gt=0, description="upper bound on one upstream request")
+    health_interval: float = Field(5.0, gt=0, description="seconds between /health probes of each node")
+    health_timeout: float = Field(5.0, gt=0)
+    failure_threshold: int = Field(3, ge=1, description="consecutive failed requests that take a node out")
+    retries: int = Field(2, ge=0, description="other nodes tried for a request that failed before its first byte")
+    logprob_tokens: Literal["byte_level", "raw"] = Field(
+        "byte_level", description="byte_level: turn vocabulary spellings (Ġword) into text, as OpenAI reports it"
+    )
 
 
 BackendConfig = Annotated[

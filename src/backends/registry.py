@@ -15,9 +15,12 @@ def build_backend(config: BackendConfig) -> Backend:
         from backends.reference.backend import build_reference_backend
 
         return build_reference_backend(config)
-    if isinstance(config, DeepInferBackendConfig | LMDeployBackendConfig):
-        raise BackendKindUnavailableError(
-            f"backend {config.name!r}: kind {config.kind!r} is configured correctly but not implemented in this "
-            "release yet"
-        )
+    if isinstance(config, DeepInferBackendConfig):
+        from backends.deepinfer.backend import build_deepinfer_backend
+
+        return build_deepinfer_backend(config)
+    if isinstance(config, LMDeployBackendConfig):
+        from backends.lmdeploy import build_lmdeploy_backend
+
+        return build_lmdeploy_backend(config)
     raise BackendKindUnavailableError(f"unknown backend kind in {config!r}")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -98,6 +99,16 @@ class RequestObserver:
         log["backend"] = backend
         metrics.in_flight.labels(*self._labels).inc()
 
+    def rebind(self, backend: str) -> None:
+        """A fallback target took the request over before its first token: label it by the one serving it."""
+        if self._done or backend == self.backend:
+            return
+        self._metrics.in_flight.labels(*self._labels).dec()
+        self.backend = backend
+        self._labels = (self.model, backend)
+        self.log["backend"] = backend
+        self._metrics.in_flight.labels(*self._labels).inc()
+
     def first_token(self) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
@@ -162,3 +173,37 @@ class _BackendCollector(Collector):
                 inside.add_metric([backend.name], driver.stats.engine_seconds)
                 running.add_metric([backend.name], driver.in_flight)
         yield from (ready, steps, tokens, busy, inside, running)
+        yield from self._engine_samples()
+        yield from self._backend_families()
+
+    def _backend_families(self) -> Iterable[Metric]:
+        """Backend-defined metric families with labels of their own (``metric_families()``, e.g. per upstream
+        node); families of the same name from several backends are merged into one."""
+        merged: dict[str, Metric] = {}
+        for backend in self._backends:
+            families = getattr(backend, "metric_families", None)
+            if families is None:
+                continue
+            for family in families():
+                existing = merged.get(family.name)
+                if existing is None:
+                    merged[family.name] = family
+                else:
+                    existing.samples.extend(family.samples)
+        return merged.values()
+
+    def _engine_samples(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        """Backend-defined statistics: ``metric_samples()`` gives (name, kind, help, value) tuples, exported as
+        ``gateway_<name>{backend}``; the gateway needs to know nothing about the engine behind them."""
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        for backend in self._backends:
+            samples = getattr(backend, "metric_samples", None)
+            if samples is None:
+                continue
+            for name, kind, documentation, value in samples():
+                family = families.get(name)
+                if family is None:
+                    family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                    family = families[name] = family_type(f"gateway_{name}", documentation, labels=["backend"])
+                family.add_metric([backend.name], value)
+        return families.values()

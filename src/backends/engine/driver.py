@@ -239,6 +239,8 @@ def _add(engine: Engine, command: _Add) -> BackendError | None:
         )
     except (ValueError, TypeError, KeyError) as exc:
         return InvalidRequestError(f"the engine rejected the request: {exc}")
+    except BackendError as exc:  # an engine binding's verdict on this one request; the engine itself is fine
+        return exc
     if sequence is None:
         return InvalidRequestError("the prompt contains token ids outside the model's vocabulary")
     return None

@@ -43,6 +43,19 @@ class FinishReason:
     VE_FAILED = "ve_error"
 
 
+class MetricSample(NamedTuple):
+    """One engine statistic for ``/metrics``, offered by an engine's optional ``metric_samples()`` method.
+
+    Read at scrape time from another thread, so an engine keeps these as plain numbers it updates once per step.
+    The gateway exports ``gateway_<name>`` labelled with the backend, knowing nothing of the engine behind it.
+    """
+
+    name: str
+    kind: str  # "gauge" or "counter"
+    documentation: str
+    value: float
+
+
 @runtime_checkable
 class Engine(Protocol):
     """DeepInfer's ``LLMEngine`` surface, with ``step()`` returning plain records.

@@ -1,0 +1,299 @@
+"""The DeepInfer binding (``backends.deepinfer``) against the TEST DOUBLE of ``deepinfer``.
+
+Each test builds the engine with the binding's own ``start_engine`` on the test thread and drives the adapter the
+way ``EngineDriver`` does: step while there is work, flush once when idle.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from backends.deepinfer.engine import DeepInferEngine
+from backends.deepinfer.startup import DeepInferStartupError, start_engine
+from backends.engine.protocol import EngineOutput
+from backends.errors import UpstreamError
+
+from .conftest import MAX_MODEL_LEN, make_config
+
+pytestmark = pytest.mark.usefixtures("deepinfer_double")
+
+
+def start(model_dir: Path, **overrides: Any) -> DeepInferEngine:
+    return start_engine(make_config(model_dir, **overrides))
+
+
+def ids(engine: DeepInferEngine, text: str = "alpha beta gamma") -> np.ndarray:
+    return np.asarray(engine.tokenizer.encode(text).ids, dtype=np.int32)
+
+
+def run(engine: DeepInferEngine) -> list[EngineOutput]:
+    """The driver's loop: step while the engine has work, then flush once."""
+    outputs: list[EngineOutput] = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    outputs += engine.flush_inflight_reqs()
+    return outputs
+
+
+def add(engine: DeepInferEngine, request_id: str, prompt: np.ndarray, **params: Any) -> object | None:
+    return engine.add_request("user", request_id, {"max_tokens": 64, **params}, prompt)
+
+
+def test_environment_is_set_before_deepinfer_is_imported(model_dir: Path) -> None:
+    assert "deepinfer" not in sys.modules
+    engine = start(model_dir, env={"DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1"}, visible_devices="3")
+    import deepinfer
+
+    assert deepinfer.IS_TEST_DOUBLE
+    seen_at_import = deepinfer.IMPORT_ENVIRON
+    assert seen_at_import["CUDA_VISIBLE_DEVICES"] == "3"
+    assert seen_at_import["DEEPINFER_USE_MULTIMODAL_POOL"] == "0"
+    assert seen_at_import["DEEPINFER_PREFILL_ATTEMPT_INTERVAL"] == "1"
+    llm = engine.llm_engine
+    assert llm.scheduler_config.prefill_attempt_interval == 1, "read at import time by SchedulerConfig"
+    assert llm.multimodal_pool_bytes == 0
+    assert llm.driver_gpu_id == 3
+    engine.close()
+
+
+def test_engine_is_configured_from_the_backend_config(model_dir: Path) -> None:
+    engine = start(model_dir, max_num_seqs=7, gpu_memory_utilization=0.5, chunked_prefill=True, seed=11)
+    llm = engine.llm_engine
+    assert engine.max_model_len == MAX_MODEL_LEN == llm.model_config.max_model_len, "never DeepInfer's 4096"
+    assert llm.scheduler_config.max_num_seqs == 7
+    assert llm.scheduler_config.chunked_prefill
+    assert llm.cache_config.gpu_memory_utilization == 0.5
+    assert llm.model_config.seed == 11
+    assert llm.model_config.served_model_name == "deepinfer"
+    assert not llm.log_stats
+    assert engine.vocab_size == llm.model_config.get_vocab_size()
+    assert engine.tokenizer is llm.tokenizer.backend_tokenizer
+    assert engine.fingerprint == "fp_deepinfer-0.1.0+testdouble-batch_invariant_off"
+    engine.close()
+
+
+def test_batch_invariance_is_named_in_the_fingerprint(model_dir: Path) -> None:
+    engine = start(model_dir, env={"DEEPINFER_BATCH_INVARIANT": "1"})
+    assert engine.fingerprint.endswith("batch_invariant_on")
+    engine.close()
+
+
+def test_outputs_are_plain_records_that_outlive_the_next_step(model_dir: Path) -> None:
+    engine = start(model_dir)
+    prompt = ids(engine)
+    add(engine, "a", prompt)
+    first = engine.step()
+    engine.step()  # frees the pointers behind `first`
+    assert first and all(type(o) is EngineOutput for o in first)
+    assert first[0].request_id == "a" and first[0].token_id == int(prompt[1])  # the double echoes after BOS
+    rest = run(engine)
+    text = engine.tokenizer.decode([o.token_id for o in first + rest])
+    assert text == "alpha beta gamma"
+    assert rest[-1].finished and rest[-1].finish_reason == "stop" and rest[-1].token_id == 1
+    engine.close()
+
+
+def test_flush_delivers_the_final_outputs(model_dir: Path) -> None:
+    engine = start(model_dir)
+    add(engine, "a", ids(engine), max_tokens=5, ignore_eos=True)
+    stepped: list[EngineOutput] = []
+    while engine.has_unfinished_requests():
+        stepped += engine.step()
+    flushed = engine.flush_inflight_reqs()
+    assert not any(o.finished for o in stepped)
+    assert flushed[-1].finished and flushed[-1].finish_reason == "length"
+    assert len(stepped) + len(flushed) == 5
+    engine.close()
+
+
+def test_running_abort_ends_the_request_without_outputs(model_dir: Path) -> None:
+    engine = start(model_dir)
+    add(engine, "a", ids(engine), max_tokens=100, ignore_eos=True)
+    assert engine.step()
+    engine.abort_request(["a"])
+    assert run(engine) == []
+    assert engine.get_num_unfinished_requests() == 0
+    assert engine.statistics.aborted == 1
+    engine.close()
+
+
+def test_request_aborted_while_compiling_its_grammar_never_runs(model_dir: Path) -> None:
+    engine = start(model_dir)
+    so_args = {"schema_type": "json", "schema": '{"type": "object"}'}
+    add(engine, "g", ids(engine), so_args=so_args, max_tokens=100, ignore_eos=True)
+    engine.abort_request(["g"])
+    assert engine.llm_engine.scheduler.get_num_aborted_seqs() == 0, "the engine could not see it"
+    outputs = run(engine)
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("g", "abort")], "aborted again once it surfaced"
+    assert engine.get_num_unfinished_requests() == 0
+    engine.close()
+
+
+def test_grammar_request_that_was_not_aborted_runs_normally(model_dir: Path) -> None:
+    engine = start(model_dir)
+    so_args = {"schema_type": "regex", "schema": "[a-z]+"}
+    add(engine, "g", ids(engine), so_args=so_args)
+    outputs = run(engine)
+    assert outputs[-1].finish_reason == "stop"
+    assert not engine._compiling and not engine._reabort
+    engine.close()
+
+
+def test_grammar_compiler_without_cpus_fails_the_request_not_the_engine(model_dir: Path) -> None:
+    os.environ["DEEPINFER_DOUBLE_IDLE_CPUS"] = "1"
+    engine = start(model_dir)
+    with pytest.raises(UpstreamError, match="structured outputs are unavailable"):
+        add(engine, "g", ids(engine), so_args={"schema_type": "json", "schema": "{}"})
+    add(engine, "plain", ids(engine))
+    assert run(engine)[-1].finish_reason == "stop"
+    engine.close()
+
+
+def test_prompt_ids_are_passed_as_contiguous_int32(model_dir: Path) -> None:
+    engine = start(model_dir)
+    prompt = np.asarray(ids(engine), dtype=np.int64)[::-1][::-1]
+    assert add(engine, "a", prompt) is not None
+    with pytest.raises(ValueError, match="int32"):
+        add(engine, "b", np.array([2**40], dtype=np.int64))
+    assert run(engine)[-1].finish_reason == "stop"
+    assert engine.llm_engine.multimodal_round_trips == 0
+    engine.close()
+
+
+def test_out_of_vocabulary_ids_are_dropped_by_the_engine(model_dir: Path) -> None:
+    engine = start(model_dir)
+    assert add(engine, "a", np.array([5, engine.vocab_size], dtype=np.int32)) is None
+    engine.close()
+
+
+def test_synthetic_final_outputs_carry_their_reason(model_dir: Path) -> None:
+    engine = start(model_dir)
+    too_long = np.full(MAX_MODEL_LEN + 1, 5, dtype=np.int32)
+    too_long[-1] = 7
+    add(engine, "long", too_long)
+    (output,) = run(engine)
+    assert (output.finish_reason, output.token_id, output.token_logprob) == ("prompt_length_exceeded", 7, 1.0)
+    engine.close()
+
+
+def test_finished_payload_is_trimmed_when_stats_logging_is_off(model_dir: Path) -> None:
+    engine = start(model_dir)
+    for i in range(3):
+        add(engine, f"r{i}", ids(engine))
+    run(engine)
+    assert engine.llm_engine.num_finished_completion == 3
+    assert engine.llm_engine.finished_payload == []
+    engine.close()
+    engine = start(model_dir, log_stats=True)
+    add(engine, "a", ids(engine))
+    run(engine)
+    assert engine.llm_engine.finished_payload, "with DeepInfer's stats logger on, its own window is left alone"
+    engine.close()
+
+
+def test_kv_pressure_preempts_with_insufficient_system_resource_and_counts_it(model_dir: Path) -> None:
+    engine = start(model_dir, gpu_memory_utilization=0.0004)  # 40 blocks of 16 tokens
+    prompt = ids(engine)
+    for i in range(4):
+        add(engine, f"r{i}", prompt, max_tokens=200, ignore_eos=True)
+    outputs = run(engine)
+    finals = {o.request_id: o for o in outputs if o.finished}
+    reasons = sorted(o.finish_reason for o in finals.values())
+    assert "insufficient_system_resource" in reasons and "length" in reasons
+    assert engine.statistics.preempted == reasons.count("insufficient_system_resource")
+    engine.close()
+
+
+def test_statistics_follow_the_scheduler(model_dir: Path) -> None:
+    engine = start(model_dir, max_num_seqs=2)
+    for i in range(3):
+        add(engine, f"r{i}", ids(engine), max_tokens=50, ignore_eos=True)
+    engine.step()
+    stats = engine.statistics
+    assert (stats.running, stats.waiting) == (2, 1)
+    assert 0 < stats.kv_cache_usage < 1
+    run(engine)
+    assert engine.statistics.running == engine.statistics.waiting == 0
+    assert engine.statistics.kv_cache_usage == 0
+    engine.close()
+
+
+def test_speculative_decoding_acceptance_is_counted_once_per_request_step(model_dir: Path) -> None:
+    engine = start(model_dir, env={"DEEPINFER_USE_NEXTN_DECODE": "3"})
+    add(engine, "a", ids(engine), max_tokens=40, ignore_eos=True)
+    outputs = run(engine)
+    decode_outputs = outputs[1:]  # the first token comes from the prefill, without drafts
+    assert engine.drafts > 0
+    assert engine.draft_tokens == 3 * engine.drafts
+    assert engine.accepted_tokens == len(decode_outputs) - engine.drafts, "each step adds accepted drafts + 1"
+    names = {s.name for s in engine.metric_samples()}
+    assert {"engine_spec_decode_draft_tokens", "engine_spec_decode_accepted_tokens"} <= names
+    engine.close()
+
+
+def test_speculative_metrics_are_absent_when_drafting_is_off(model_dir: Path) -> None:
+    engine = start(model_dir, env={"DEEPINFER_USE_NEXTN_DECODE": "0"})
+    add(engine, "a", ids(engine))
+    run(engine)
+    assert engine.drafts == 0
+    assert not any(s.name.startswith("engine_spec_decode") for s in engine.metric_samples())
+    engine.close()
+
+
+# ---- start-up failures -------------------------------------------------------------------------------------------
+
+
+def test_missing_package_is_a_clear_startup_error(model_dir: Path) -> None:
+    sys.modules["deepinfer"] = None  # type: ignore[assignment]  # makes `import deepinfer` fail
+    with pytest.raises(DeepInferStartupError, match=r"deepinfer package cannot be imported.*deepinfer-gateway\["):
+        start(model_dir)
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("sm90", "not SM100 \\(Hopper and older are refused"), ("none", "no GPU or NPU")],
+)
+def test_unsupported_hardware_is_refused_before_loading(model_dir: Path, device: str, message: str) -> None:
+    os.environ["DEEPINFER_DOUBLE_DEVICE"] = device
+    with pytest.raises(DeepInferStartupError, match=message):
+        start(model_dir)
+    from deepinfer.engine.llm_engine import LLMEngine
+
+    assert LLMEngine.constructions == 0, "refused before construction (DeepInfer checks only after loading)"
+
+
+def test_ascend_backend_sets_both_device_variables(model_dir: Path) -> None:
+    os.environ["DEEPINFER_DOUBLE_DEVICE"] = "ascend950"
+    engine = start(model_dir, accelerator="ascend", visible_devices="1,2", context_parallel_size=2, env={})
+    import deepinfer
+
+    assert deepinfer.IMPORT_ENVIRON["ASCEND_RT_VISIBLE_DEVICES"] == deepinfer.IMPORT_ENVIRON["CUDA_VISIBLE_DEVICES"]
+    assert os.environ["DEEPINFER_ACCELERATOR"] == "ascend"
+    engine.close()
+
+
+def test_construction_error_names_the_cause(model_dir: Path) -> None:
+    with pytest.raises(DeepInferStartupError, match=r"failed to start: .*KV cache"):
+        start(model_dir, gpu_memory_utilization=0.0001)
+
+
+def test_one_engine_per_process(model_dir: Path) -> None:
+    first = start(model_dir)
+    with pytest.raises(DeepInferStartupError, match="one engine per process"):
+        start(model_dir, name="second")
+    first.close()
+    start(model_dir, name="second").close()  # the process is free again once the first engine closed
+
+
+def test_missing_model_directory_is_reported_before_import(tmp_path: Path) -> None:
+    with pytest.raises(DeepInferStartupError, match="does not exist"):
+        start(tmp_path / "nowhere")
+    with pytest.raises(DeepInferStartupError, match=r"lacks config\.json"):
+        start(tmp_path)
+    assert "deepinfer" not in sys.modules
