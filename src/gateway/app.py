@@ -22,7 +22,7 @@ from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
 from gateway.router import ModelRouter
-from gateway.routes import generate, models, operations
+from gateway.routes import admin, generate, models, operations
 from gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
     state = GatewayState(
         config=config,
         backends=dict(backends),
-        router=ModelRouter(config.models, backends),
+        router=ModelRouter(config.models, backends, metrics.registry),
         metrics=metrics,
         start_errors=start_errors,
         limits=KeyLimits(config.server),
@@ -62,6 +62,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
         finally:
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
+            await state.router.aclose()  # shadow requests: cancelled, they never hold the shutdown up
             await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
 
     # Streams end when they are done or when uvicorn's drain timeout cancels them, never at the first SIGTERM.
@@ -72,6 +73,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
     app.include_router(generate.router)
     app.include_router(models.router)
     app.include_router(operations.router)
+    app.include_router(admin.router)
     app.add_middleware(ApiKeyMiddleware, client_keys=config.server.client_keys(), admin_key=config.server.admin_api_key)
     app.add_middleware(
         RequestContextMiddleware,

@@ -7,10 +7,19 @@ Environment variables win over the file: ``GATEWAY_SERVER__PORT=9000`` sets ``se
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from backends.config import BackendConfig, ReferenceBackendConfig
@@ -58,13 +67,125 @@ class ServerConfig(BaseModel):
         return [ApiKeyConfig(key=k) if isinstance(k, str) else k for k in self.api_keys]
 
 
+class TargetConfig(BaseModel):
+    """One backend behind a model with its share of the traffic (``backends`` entries may also be plain names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str = Field(min_length=1)
+    weight: float = Field(
+        1.0, ge=0, description="relative share (capacity) of the target; 0: only pinned requests or as a fallback"
+    )
+
+
+def _target_entry(value: Any) -> str | TargetConfig:
+    """A backend name stays a name (so old configs read as before); a mapping is a ``TargetConfig``."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("a backend name must not be empty")
+        return value
+    if isinstance(value, TargetConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError("expected a backend name or a mapping {backend: NAME, weight: W}")
+    return TargetConfig.model_validate(value)
+
+
+TargetEntry = Annotated[
+    str | TargetConfig,
+    PlainValidator(_target_entry),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "object",
+                    "properties": {"backend": {"type": "string"}, "weight": {"type": "number", "minimum": 0}},
+                    "required": ["backend"],
+                    "additionalProperties": False,
+                },
+            ]
+        }
+    ),
+]
+
+
+class ShadowConfig(BaseModel):
+    """Mirror a fraction of the model's requests to another backend and compare the answers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str = Field(min_length=1)
+    fraction: float = Field(ge=0, le=1, description="share of the model's requests mirrored")
+    max_concurrency: int = Field(4, ge=1, description="shadow requests running at once; more are dropped, not queued")
+
+
+class AffinityConfig(BaseModel):
+    """How ``prefix_affinity`` keys requests and how much busier than its share a target may get."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefix_chars: int = Field(1024, ge=1, description="characters of the prompt that make the affinity key")
+    load_factor: float = Field(
+        1.5, ge=1, description="a target takes at most this many times its share of in-flight requests ..."
+    )
+    load_slack: int = Field(4, ge=0, description="... plus this many, so low traffic keeps its affinity")
+
+
+class CircuitBreakerConfig(BaseModel):
+    """When a target stops getting requests after failures, and when it is probed again."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    failure_threshold: int = Field(5, ge=1, description="consecutive failures that open the circuit")
+    cooldown_seconds: float = Field(10.0, gt=0, description="open time before one probe request is let through")
+
+
 class ModelConfig(BaseModel):
-    """A public model name and the backends that serve it."""
+    """A public model name, the backends that serve it, and how requests are spread over them."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
-    backends: list[str] = Field(min_length=1)
+    backends: list[TargetEntry] = Field(min_length=1, description="backend names or {backend, weight} mappings")
+    policy: Literal["weighted", "least_outstanding", "prefix_affinity"] = "weighted"
+    fallbacks: list[str] = Field(
+        default_factory=list, description="tried in order when the chosen target fails before its first token"
+    )
+    shadow: ShadowConfig | None = None
+    allow_pin_header: bool = Field(False, description="let clients choose a target with the X-Backend header")
+    affinity: AffinityConfig = AffinityConfig()
+    circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
+
+    def targets(self) -> list[TargetConfig]:
+        """``backends`` with every entry as a ``TargetConfig``."""
+        return [TargetConfig(backend=b) if isinstance(b, str) else b for b in self.backends]
+
+    def backend_names(self) -> list[str]:
+        """Every backend the model refers to (targets, fallbacks, shadow), each once, in that order."""
+        names = [t.backend for t in self.targets()] + list(self.fallbacks)
+        if self.shadow is not None:
+            names.append(self.shadow.backend)
+        return list(dict.fromkeys(names))
+
+    @field_validator("backends")
+    @classmethod
+    def _distinct_targets(cls, entries: list[str | TargetConfig]) -> list[str | TargetConfig]:
+        names = [e if isinstance(e, str) else e.backend for e in entries]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"backend(s) {twice} listed more than once")
+        if all(not isinstance(e, str) and e.weight == 0 for e in entries):
+            raise ValueError("at least one backend needs a weight above 0")
+        return entries
+
+    @field_validator("fallbacks")
+    @classmethod
+    def _distinct_fallbacks(cls, names: list[str]) -> list[str]:
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"backend(s) {twice} listed more than once")
+        return names
 
 
 class GatewayConfig(BaseSettings):
@@ -101,9 +222,18 @@ class GatewayConfig(BaseSettings):
         if not self.models:
             raise ValueError("models: at least one model must be served")
         for i, model in enumerate(self.models):
-            for name in model.backends:
+            for j, target in enumerate(model.targets()):
+                if target.backend not in names:
+                    raise ValueError(
+                        f"models[{i}].backends[{j}]: unknown backend {target.backend!r} (declared: {names})"
+                    )
+            for j, name in enumerate(model.fallbacks):
                 if name not in names:
-                    raise ValueError(f"models[{i}].backends: unknown backend {name!r} (declared: {names})")
+                    raise ValueError(f"models[{i}].fallbacks[{j}]: unknown backend {name!r} (declared: {names})")
+            if model.shadow is not None and model.shadow.backend not in names:
+                raise ValueError(
+                    f"models[{i}].shadow.backend: unknown backend {model.shadow.backend!r} (declared: {names})"
+                )
         return self
 
 

@@ -132,20 +132,21 @@ def test_ready_is_503_until_every_backend_started_while_health_is_200() -> None:
         stop_gateway(running)
 
 
-def test_unimplemented_backend_kind_keeps_serving_and_reports_why_not_ready() -> None:
+def test_backend_that_cannot_start_leaves_the_process_serving_and_ready_says_why(tmp_path) -> None:  # type: ignore[no-untyped-def]
     config = GatewayConfig(
         backends=[
             {"name": "ref", "kind": "reference"},
-            {"name": "lm", "kind": "lmdeploy", "urls": ["http://127.0.0.1:9"]},
+            {"name": "gpu", "kind": "deepinfer", "model": str(tmp_path / "no-such-model"), "max_model_len": 8192},
         ],
-        models=[{"name": "a", "backends": ["ref"]}, {"name": "b", "backends": ["lm"]}],
+        models=[{"name": "a", "backends": ["ref"]}, {"name": "b", "backends": ["gpu"]}],
     )
     running = start_gateway(config, wait_for="/health")
     try:
         assert wait_until(lambda: running.state.backends["ref"].readiness()[0], timeout=60)
+        assert wait_until(lambda: "gpu" in running.state.start_errors, timeout=60)
         ready = httpx.get(f"{running.base_url}/ready")
         assert ready.status_code == 503
-        assert "not implemented" in ready.json()["backends"]["lm"]["reason"]
+        assert "no-such-model" in ready.json()["backends"]["gpu"]["reason"]
         served = httpx.post(
             f"{running.base_url}/v1/chat/completions",
             json={"model": "a", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},

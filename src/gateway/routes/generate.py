@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from backends.interface import Backend, GenerateRequest
+from backends.interface import Backend, Event, GenerateRequest
 from gateway.errors import APIError
+from gateway.metrics import RequestObserver
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.responses import ChatFormat, CompletionFormat
 from gateway.state import GatewayState, gateway_state
@@ -41,6 +43,20 @@ def _fingerprint(backend: Backend) -> str:
     return getattr(backend, "fingerprint", None) or f"fp_{backend.kind}"
 
 
+def _served_by(
+    fmt: ChatFormat | CompletionFormat, observer: RequestObserver, headers: dict[str, str]
+) -> Callable[[Backend], None]:
+    """When a fallback takes a request over (before its first token, so before any header or frame is sent),
+    the response and its metrics name the backend that served it."""
+
+    def switch(backend: Backend) -> None:
+        fmt.fingerprint = _fingerprint(backend)
+        observer.rebind(backend.name)
+        headers["X-Backend"] = backend.name
+
+    return switch
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = gateway_state(request)
@@ -50,8 +66,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="messages")
     if body.tools and len(body.tools) > server.max_tools:
         raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
+    problem = body.tool_choice_problem()
+    if problem is not None:
+        raise APIError(400, problem, param="tool_choice")
     label, limit_headers = _admit_client(request, state)
-    backend = state.router.route(body.model)
     generate = GenerateRequest(
         request_id=request.state.request_id,
         model=body.model,
@@ -68,11 +86,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         reasoning_effort=body.reasoning_effort,
         chat_template_kwargs=body.chat_template_kwargs,
     )
+    events = state.router.route(body.model, generate, request.headers, lambda b: b.generate(generate))
+    backend = events.backend
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, _fingerprint(backend), body.n)
     observer = state.metrics.observer(body.model, backend.name, request.state.log)
     observer.on_finish = functools.partial(state.limits.charge, label)  # type: ignore[union-attr]
     headers = {"X-Backend": backend.name, **limit_headers}
-    events = backend.generate(generate)
+    events.served_by = _served_by(fmt, observer, headers)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await stream_response(
@@ -93,31 +113,35 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported yet.", param="echo")
     label, limit_headers = _admit_client(request, state)
-    backend = state.router.route(body.model)
     sampling = body.sampling_options(
         max_tokens=body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0
     )
-    streams = [
-        backend.generate(
-            GenerateRequest(
-                request_id=request.state.request_id,
-                model=body.model,
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=prompt if isinstance(prompt, list) else None,
-                sampling=sampling,
-                n=body.n,
-                echo=body.echo,
-                user=body.user,
-            )
+    requests = [
+        GenerateRequest(
+            request_id=request.state.request_id,
+            model=body.model,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=prompt if isinstance(prompt, list) else None,
+            sampling=sampling,
+            n=body.n,
+            echo=body.echo,
+            user=body.user,
         )
         for prompt in prompts
     ]
-    events = streams[0] if len(streams) == 1 else merge_prompts(streams, body.n)
+
+    def open_events(backend: Backend) -> AsyncIterator[Event]:
+        streams = [backend.generate(r) for r in requests]
+        return streams[0] if len(streams) == 1 else merge_prompts(streams, body.n)
+
+    events = state.router.route(body.model, requests[0], request.headers, open_events)
+    backend = events.backend
     choices = len(prompts) * body.n
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, _fingerprint(backend), choices)
     observer = state.metrics.observer(body.model, backend.name, request.state.log)
     observer.on_finish = functools.partial(state.limits.charge, label)  # type: ignore[union-attr]
     headers = {"X-Backend": backend.name, **limit_headers}
+    events.served_by = _served_by(fmt, observer, headers)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await stream_response(

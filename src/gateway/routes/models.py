@@ -1,4 +1,4 @@
-"""``/v1/models``: every served model name once."""
+"""``/v1/models``: every served model name once, with the kinds of backend behind it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ router = APIRouter(tags=["models"])
 
 
 def _model_card(state: GatewayState, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": state.started_at, "owned_by": "deepinfer-gateway"}
+    """OpenAI's model object plus ``backend_kinds``: the kinds of backend that may answer (an extension; the
+    schema allows extra fields)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "deepinfer-gateway",
+        "backend_kinds": state.router.backend_kinds(name),
+    }
 
 
 @router.get("/v1/models")

@@ -1,0 +1,234 @@
+"""One routed request's events: try targets in order until one produces its first event, then pass that
+target's events through untouched.
+
+The first event is the commit point. Until a target produced it, nothing can have reached the client
+(``streaming`` sends headers only after the first token), so a target failure moves the request to the next
+fallback. After it, a failure ends the request (an error frame on a stream): never a second answer.
+
+Accounting happens once at the start and once at the end of a request (in-flight count, breaker, latency
+window); per event there is one extra method call and, until the first token, one type check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from backends.errors import (
+    BackendError,
+    BackendTimeoutError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+)
+from backends.interface import Backend, Delta, Event
+from gateway.routing.shadow import CANCELLED, FAILED, OK, ShadowPair
+from gateway.routing.targets import Target
+
+if TYPE_CHECKING:
+    from gateway.router import ModelRoutes
+
+EventFactory = Callable[[Backend], AsyncIterator[Event]]
+"""Opens the request's event stream on a given backend (called once per attempt, and once for the shadow)."""
+
+
+def may_fall_back(exc: BackendError) -> bool:
+    """Whether another target may succeed where this one failed: not for the client's own mistakes, and not
+    after a timeout (the request's time is spent)."""
+    return not isinstance(exc, InvalidRequestError | ModelNotFoundError | BackendTimeoutError)
+
+
+def counts_against_target(exc: BackendError) -> bool:
+    """Whether the failure says the target is broken (breaker): not the client's mistakes, not overload (a
+    full target is healthy, and load-aware routing and fallbacks deal with it)."""
+    return not isinstance(exc, InvalidRequestError | ModelNotFoundError | OverloadedError)
+
+
+class RoutedStream:
+    """The async iterator of events the gateway streams for one request (see the module docstring)."""
+
+    __slots__ = (
+        "_done",
+        "_factory",
+        "_first_token_at",
+        "_held",
+        "_inner",
+        "_pair",
+        "_probe",
+        "_routes",
+        "_started",
+        "_target",
+        "_tried",
+        "_watching",
+        "served_by",
+    )
+
+    def __init__(
+        self, routes: ModelRoutes, target: Target, via: str, factory: EventFactory, pair: ShadowPair | None
+    ) -> None:
+        self._routes = routes
+        self._factory = factory
+        self._pair = pair
+        self._inner: AsyncIterator[Event] | None = None
+        self._done = False
+        self._first_token_at: float | None = None
+        self._watching = True
+        self._started = time.perf_counter()
+        self._tried: list[Target] = []
+        self._target = target
+        self._held = False
+        self._probe = False
+        self.served_by: Callable[[Backend], None] | None = None
+        """Called when a fallback target takes over, so the response can name the backend that served it."""
+        self._send_to(target, via)
+
+    @property
+    def backend(self) -> Backend:
+        """The target's backend: the chosen one, or after a fallback the one that took over."""
+        return self._target.backend
+
+    def __aiter__(self) -> RoutedStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        inner = self._inner
+        if inner is None:
+            if self._done:
+                raise StopAsyncIteration
+            return await self._open()
+        try:
+            event = await inner.__anext__()
+        except StopAsyncIteration:
+            self._end(None)
+            raise
+        except BaseException as exc:
+            self._end(exc)
+            raise
+        if self._watching:
+            self._watch(event)
+        return event
+
+    async def aclose(self) -> None:
+        """Ends the request early (client gone, deadline): the target's iterator is closed, aborting its work."""
+        if not self._done:
+            if self._inner is None:
+                self._abandon_before_start()
+            else:
+                self._end(GeneratorExit())
+        inner = self._inner
+        if inner is not None:
+            await inner.aclose()  # type: ignore[attr-defined]
+
+    # ---- before the first event ----------------------------------------------------------------------------
+
+    def _send_to(self, target: Target, via: str) -> None:
+        self._target = target
+        self._tried.append(target)
+        target.load.in_flight += 1
+        self._held = True
+        target.requests += 1
+        self._probe = target.breaker.acquire()
+        counter = target.routed.get(via)
+        if counter is None:
+            counter = target.routed[via] = self._routes.metrics.routed.labels(target.model, target.name, via)
+        counter.inc()
+
+    async def _open(self) -> Event:
+        while True:
+            target = self._target
+            self._started = time.perf_counter()
+            if self._pair is not None:
+                self._pair.primary.started = self._started
+            inner: AsyncIterator[Event] | None = None
+            try:
+                inner = self._factory(target.backend)
+                event = await inner.__anext__()
+            except StopAsyncIteration:
+                self._inner = inner
+                target.breaker.answered()
+                self._end(None)
+                raise
+            except BackendError as exc:
+                self._failed_before_first_event(target, exc)
+                if inner is not None:
+                    await inner.aclose()  # type: ignore[attr-defined]
+                following = self._routes.next_fallback(self._tried) if may_fall_back(exc) else None
+                if following is None:
+                    self._finish_unserved(FAILED)
+                    raise
+                self._send_to(following, "fallback")
+                if self.served_by is not None:
+                    self.served_by(following.backend)
+                continue
+            except BaseException:  # cancelled (client gone, deadline) or a bug: nothing is known about the target
+                self._abandon_before_start()
+                if inner is not None:
+                    await inner.aclose()  # type: ignore[attr-defined]
+                raise
+            self._inner = inner
+            target.breaker.answered()
+            self._watch(event)
+            return event
+
+    def _release(self) -> None:
+        """Gives the target's in-flight slot back, once, whichever way the request ends."""
+        if self._held:
+            self._held = False
+            self._target.load.in_flight -= 1
+
+    def _failed_before_first_event(self, target: Target, exc: BackendError) -> None:
+        self._release()
+        if counts_against_target(exc):
+            target.breaker.failed()
+            target.failures += 1
+            self._routes.metrics.target_failures.labels(target.model, target.name, "before_first_event").inc()
+        elif self._probe:
+            target.breaker.released()
+        self._probe = False
+
+    def _abandon_before_start(self) -> None:
+        self._release()
+        if self._probe:
+            self._target.breaker.released()
+            self._probe = False
+        self._finish_unserved(CANCELLED)
+
+    def _finish_unserved(self, outcome: str) -> None:
+        self._done = True
+        if self._pair is not None:
+            self._pair.primary_ended(outcome, self._target.name)
+
+    # ---- after the first event -----------------------------------------------------------------------------
+
+    def _watch(self, event: Event) -> None:
+        """Until the first token (for the latency window), and for mirrored requests (for the comparison)."""
+        pair = self._pair
+        if self._first_token_at is None and type(event) is Delta:
+            self._first_token_at = time.perf_counter()
+        if pair is not None:
+            pair.primary.observe(event)
+        self._watching = pair is not None or self._first_token_at is None
+
+    def _end(self, exc: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._release()
+        target = self._target
+        if exc is None:
+            outcome = OK
+            target.breaker.succeeded()
+            target.e2e.add(time.perf_counter() - self._started)
+            if self._first_token_at is not None:
+                target.ttft.add(self._first_token_at - self._started)
+        elif isinstance(exc, BackendError):
+            outcome = FAILED
+            if counts_against_target(exc):
+                target.breaker.failed()
+                target.failures += 1
+                self._routes.metrics.target_failures.labels(target.model, target.name, "mid_stream").inc()
+        else:
+            outcome = CANCELLED
+        if self._pair is not None:
+            self._pair.primary_ended(outcome, target.name)
