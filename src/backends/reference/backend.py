@@ -2,24 +2,88 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from backends.config import ReferenceBackendConfig
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
 from backends.engine.backend import EngineBackend
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from backends.reference.engine import ReferenceEngine
+    from backends.workers.worker import RankContext, RankEngine
+
 
 def build_reference_backend(config: ReferenceBackendConfig) -> EngineBackend:
-    def construct():  # type: ignore[no-untyped-def]  # runs on the engine thread
-        from backends.reference.engine import ReferenceEngine, ReferenceEngineArgs
+    if config.uses_workers:
+        return _build_data_parallel_backend(config)
 
-        return ReferenceEngine.from_engine_args(
-            ReferenceEngineArgs(
-                max_model_len=config.max_model_len,
-                max_num_seqs=config.max_num_seqs,
-                seed=config.seed,
-                prefill_seconds_per_token=config.timing.prefill_seconds_per_token,
-                decode_seconds_per_step=config.timing.decode_seconds_per_step,
-                tokens_per_step=config.timing.tokens_per_step,
-            )
+    def construct() -> ReferenceEngine:  # runs on the engine thread
+        return _make_engine(config, config.seed)
+
+    return EngineBackend(
+        config.name, "reference", construct, DeepSeekV41ChatTemplate(default_thinking=config.default_thinking)
+    )
+
+
+def _make_engine(config: ReferenceBackendConfig, seed: int | None) -> ReferenceEngine:
+    from backends.reference.engine import ReferenceEngine, ReferenceEngineArgs
+
+    return ReferenceEngine.from_engine_args(
+        ReferenceEngineArgs(
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            seed=seed,
+            prefill_seconds_per_token=config.timing.prefill_seconds_per_token,
+            decode_seconds_per_step=config.timing.decode_seconds_per_step,
+            tokens_per_step=config.timing.tokens_per_step,
         )
+    )
 
-    return EngineBackend(config.name, "reference", construct, DeepSeekV41ChatTemplate())
+
+# ---- data parallelism: N reference engines in worker processes (docs/data-parallel.md) ---------------------------
+
+
+def _build_data_parallel_backend(config: ReferenceBackendConfig) -> EngineBackend:
+    from backends.workers.backend import DataParallelBackend
+    from backends.workers.driver import WorkerPlan
+
+    plan = WorkerPlan(
+        size=config.data_parallel_size,
+        factory="backends.reference.backend:build_rank_engine",
+        options=config.model_dump(mode="json"),
+        lockstep=config.lockstep,
+        transport=config.worker_transport,
+        remote_endpoints=list(config.worker_endpoints),
+    )
+    return DataParallelBackend(
+        config.name,
+        "reference",
+        plan,
+        load_tokenizer,
+        DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
+    )
+
+
+def load_tokenizer() -> Tokenizer:
+    """The gateway encodes prompts and decodes outputs itself: the same tokenizer the workers load (cached)."""
+    from backends.reference.artifacts import load_or_build
+
+    return load_or_build().tokenizer
+
+
+def build_rank_engine(context: RankContext) -> RankEngine:
+    """Runs in a worker process: one rank's engine; in lockstep, wrapped to imitate DeepInfer's collectives."""
+    from backends.workers.collective import LockstepEngine, SimulatedGroup
+    from backends.workers.worker import RankEngine
+
+    config = ReferenceBackendConfig.model_validate(context.options)
+    # Each rank draws unseeded requests' seeds from its own stream, or ranks would repeat each other's samples.
+    seed = None if config.seed is None else config.seed * 1_000_003 + context.rank
+    engine = _make_engine(config, seed)
+    if not context.lockstep:
+        return RankEngine(engine)
+    assert context.collective_endpoint is not None
+    group = SimulatedGroup(context.rank, context.size, context.collective_endpoint)
+    return RankEngine(LockstepEngine(engine, group), group)

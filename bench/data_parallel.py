@@ -1,0 +1,238 @@
+"""Throughput of data-parallel engine workers, their balance, and what the gateway process pays per token.
+
+Starts the real gateway (``deepinfer-gateway serve``) over the reference engine with its timing model imitating a
+decode step (``--step`` seconds, ``--tokens-per-step`` tokens per request per step, ``--max-num-seqs`` slots per
+rank), once per layout: the engine in the gateway process (``inproc``), then 1, 2 and 4 worker processes. Each
+layout gets the same closed-loop load of streaming chat requests, and reports:
+
+- tokens/s and requests/s;
+- the balance ratio: max / min requests dispatched per rank;
+- CPU per streamed token: the gateway process alone (user + system, all threads, from /proc) and its workers;
+- the share of the gateway's CPU per token spent turning engine outputs into text (detokenizing, stop matching:
+  ``_Choice.consume``), measured offline on the same tokenizer, to decide whether that work should move into
+  the workers.
+
+Usage: ``python bench/data_parallel.py --duration 15 --concurrency 256`` (add ``--lockstep --layouts 2,4`` for
+ranks that step together).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "bench-dp"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process (all its threads), from /proc; 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text):
+        for sample in family.samples:
+            if sample.name.startswith(("gateway_dp_rank_dispatched", "gateway_generation_tokens", "gateway_engine")):
+                key = sample.name + ("/" + sample.labels["rank"] if "rank" in sample.labels else "")
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def start_gateway(layout: str, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, Path]:
+    backend: dict[str, Any] = {
+        "name": "reference",
+        "kind": "reference",
+        "max_num_seqs": args.max_num_seqs,
+        "max_in_flight": None,
+        "timing": {"decode_seconds_per_step": args.step, "tokens_per_step": args.tokens_per_step},
+    }
+    if layout != "inproc":
+        backend["data_parallel_size"] = int(layout)
+        backend["worker_processes"] = True
+        backend["lockstep"] = args.lockstep
+    port = free_port()
+    config = Path(tempfile.mkdtemp()) / "bench.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "server": {"access_log": False},
+                "backends": [backend],
+                "models": [{"name": MODEL, "backends": ["reference"]}],
+            }
+        )
+    )
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
+                return process, base_url, config
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise SystemExit(f"gateway ({layout}) did not become ready")
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, number: int, max_tokens: int) -> int:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Describe module number {number}."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    frames = 0
+    async with session.post(url, json=body) as response:
+        response.raise_for_status()
+        async for chunk in response.content.iter_any():
+            frames += chunk.count(b"\n\n")
+    return frames
+
+
+async def run_load(base_url: str, concurrency: int, duration: float, max_tokens: int) -> dict[str, Any]:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    url = f"{base_url}/v1/chat/completions"
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        await asyncio.gather(*(stream_one(session, url, i, 4) for i in range(min(concurrency, 16))))  # warm-up
+        counter = iter(range(10**9))
+        done: list[int] = []
+        stop_at = time.perf_counter() + duration
+
+        async def client() -> None:
+            while time.perf_counter() < stop_at:
+                done.append(await stream_one(session, url, next(counter), max_tokens))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return {"requests": len(done), "frames": sum(done), "wall_seconds": wall}
+
+
+def choice_cost_us_per_token(tokens_per_step: int) -> float:
+    """CPU of ``_Choice.consume`` (detokenize + stop matching) per token, on reference-engine output."""
+    from backends.engine.backend import _Choice
+    from backends.engine.detokenizer import TokenTable
+    from backends.engine.protocol import EngineOutput
+    from backends.reference.artifacts import load_or_build
+
+    artifacts = load_or_build()
+    table = TokenTable(artifacts.tokenizer)
+    text = "The module provides functions for reading and writing files, and for walking directory trees. " * 40
+    ids = [i for i in artifacts.tokenizer.encode(text, add_special_tokens=False).ids if i > 2][:4000]
+    steps = [ids[i : i + tokens_per_step] for i in range(0, len(ids) - tokens_per_step, tokens_per_step)]
+    outputs = [
+        [EngineOutput("r", t, False, "", 1, 10, -0.5, (), ()) for t in step]
+        for step in steps  # one engine step's outputs for one request
+    ]
+    rounds = 20
+    started = time.process_time()
+    for _ in range(rounds):
+        choice = _Choice(0, table, table.new_detokenizer(), ["\n\nUser:"], False)
+        for step in outputs:
+            choice.consume(step)
+    elapsed = time.process_time() - started
+    return 1e6 * elapsed / (rounds * sum(len(s) for s in steps))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", default="inproc,1,2,4", help="inproc and/or worker counts, comma-separated")
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--step", type=float, default=0.025, help="seconds per decode step (timing model)")
+    parser.add_argument("--tokens-per-step", type=int, default=4)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="running requests per rank")
+    parser.add_argument("--lockstep", action="store_true", help="ranks step together (DeepInfer DP collectives)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/data_parallel.json"))
+    args = parser.parse_args()
+    rows = []
+    for layout in args.layouts.split(","):
+        process, base_url, config = start_gateway(layout, args)
+        try:
+            workers = children(process.pid)
+            before = scrape(base_url)
+            cpu0 = cpu_seconds(process.pid)
+            wcpu0 = sum(cpu_seconds(w) for w in workers)
+            load = asyncio.run(run_load(base_url, args.concurrency, args.duration, args.max_tokens))
+            cpu1 = cpu_seconds(process.pid)
+            wcpu1 = sum(cpu_seconds(w) for w in workers)
+            after = scrape(base_url)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+            config.unlink(missing_ok=True)
+        tokens = after.get("gateway_generation_tokens_total", 0.0) - before.get("gateway_generation_tokens_total", 0.0)
+        per_rank = sorted(
+            after[k] - before.get(k, 0.0) for k in after if k.startswith("gateway_dp_rank_dispatched_requests_total/")
+        )
+        row = {
+            "layout": layout,
+            "requests": load["requests"],
+            "tokens": tokens,
+            "tokens_per_second": tokens / load["wall_seconds"],
+            "requests_per_second": load["requests"] / load["wall_seconds"],
+            "requests_per_rank": per_rank,
+            "balance_ratio": (per_rank[-1] / per_rank[0]) if per_rank and per_rank[0] else None,
+            "gateway_cpu_us_per_token": 1e6 * (cpu1 - cpu0) / tokens,
+            "gateway_cpu_utilisation": (cpu1 - cpu0) / load["wall_seconds"],
+            "worker_cpu_us_per_token": 1e6 * (wcpu1 - wcpu0) / tokens if workers else None,
+        }
+        rows.append(row)
+        balance = f"{row['balance_ratio']:.3f}" if row["balance_ratio"] else "-"
+        worker_cpu = f"{row['worker_cpu_us_per_token']:.1f}" if row["worker_cpu_us_per_token"] else "-"
+        print(
+            f"{layout:>6}: {row['tokens_per_second']:8.0f} tok/s  {row['requests_per_second']:6.1f} req/s  "
+            f"balance {balance} {per_rank}  gateway {row['gateway_cpu_us_per_token']:.1f} us/tok "
+            f"({row['gateway_cpu_utilisation']:.2f} cores)  workers {worker_cpu} us/tok",
+            flush=True,
+        )
+    choice_us = choice_cost_us_per_token(args.tokens_per_step)
+    print(f"_Choice.consume (detokenize + stop strings): {choice_us:.2f} us per token")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    args.out.write_text(json.dumps({"settings": settings, "layouts": rows, "choice_us_per_token": choice_us}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The wire format between the dispatcher and its engine workers: msgpack arrays of plain values.
+
+msgpack rather than pickle because ranks may sit on other hosts: the dispatcher must never execute what a socket
+hands it. One message goes down per dispatcher flush (every add and abort for that rank since the last one) and one
+comes up per worker step (every output of that step), so the per-message cost is paid per step, not per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import msgpack
+
+# Dispatcher -> worker.
+BATCH = 0
+"""``[BATCH, adds, aborts]``: adds are ``[request_id, sampling_params, prompt_int32_bytes, user_id]``."""
+RESET = 1
+"""``[RESET]``: abort every request the worker holds (a new dispatcher session, or after a reconnect)."""
+STOP = 2
+"""``[STOP]``: abort everything, close the engine (with every rank, in lockstep) and exit."""
+
+# Worker -> dispatcher.
+READY = 10
+"""``[READY, pid, info]``: the engine is constructed; ``info`` describes it (``EngineInfo`` fields)."""
+STEP = 11
+"""``[STEP, outputs, errors, stats]``: one engine step; outputs are ``EngineOutput`` fields as arrays."""
+HEARTBEAT = 12
+"""``[HEARTBEAT, stats]``: an idle worker is alive."""
+FAILED = 13
+"""``[FAILED, reason]``: the engine failed; the worker exits right after."""
+CLOSED = 14
+"""``[CLOSED]``: the engine closed cleanly; the worker exits right after."""
+
+
+class EngineInfo(NamedTuple):
+    """What the gateway must know of a rank's engine to encode prompts and bound outputs."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    fingerprint: str | None
+
+
+class RankStats(NamedTuple):
+    """A worker's counters, sent with its step messages (at most every ``REPORT_SECONDS`` when there is no output).
+
+    ``samples`` are the engine's own ``metric_samples()`` as ``[name, kind, help, value]``, when it offers them.
+    """
+
+    steps: int
+    tokens: int
+    busy_seconds: float
+    engine_seconds: float
+    unfinished: int
+    kv_usage: float
+    steps_per_second: float
+    samples: list[list[Any]] | None
+
+
+ERROR_KINDS = ("invalid_request", "upstream", "overloaded")
+"""How a per-request error crosses the wire: its kind (rebuilt as the matching ``BackendError``) and message."""
+
+
+def pack(message: list[Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack_command(data: bytes) -> Any:
+    """Worker side: lists stay lists, because sampling parameters (``so_args``) may be checked for them."""
+    return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
+
+
+def unpack_event(data: bytes) -> Any:
+    """Dispatcher side: arrays become tuples, the cheapest record to build per output."""
+    return msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=False)

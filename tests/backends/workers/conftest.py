@@ -1,0 +1,71 @@
+"""Gateways whose reference backends run their engines in data-parallel worker processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backends.registry import build_backend
+from backends.workers.driver import DataParallelDriver
+from gateway.admission import admitted
+from gateway.config import GatewayConfig
+
+from ...conftest import RunningGateway, start_gateway, stop_gateway
+
+STEP = {"decode_seconds_per_step": 0.01}  # requests last long enough to overlap, and tests stay fast
+RESTART_BACKOFF = 3.0
+"""Long enough that a test reliably sees a killed rank's degraded state before the rank comes back."""
+
+
+def start_data_parallel_gateway(backends: list[dict[str, object]]) -> RunningGateway:
+    config = GatewayConfig(backends=backends, models=[{"name": b["name"], "backends": [b["name"]]} for b in backends])
+    built = {}
+    for backend_config in config.backends:
+        backend = build_backend(backend_config)
+        backend.driver.plan.restart_backoff = RESTART_BACKOFF  # type: ignore[attr-defined]
+        built[backend_config.name] = admitted(backend, backend_config)
+    return start_gateway(config, backends=built, ready_timeout=60)
+
+
+@pytest.fixture(scope="module")
+def dp_gateway() -> Iterator[RunningGateway]:
+    """Two independent ranks (``dp``) and a lockstep group of three (``lockstep``), in one gateway."""
+    running = start_data_parallel_gateway(
+        [
+            {"name": "dp", "kind": "reference", "data_parallel_size": 2, "timing": STEP},
+            {"name": "lockstep", "kind": "reference", "data_parallel_size": 3, "lockstep": True, "timing": STEP},
+        ]
+    )
+    yield running
+    stop_gateway(running)
+
+
+@pytest.fixture(scope="module")
+def http(dp_gateway: RunningGateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=dp_gateway.base_url, timeout=60) as client:
+        yield client
+
+
+def driver_of(gateway: RunningGateway, backend: str) -> DataParallelDriver:
+    return gateway.state.backends[backend].driver  # type: ignore[attr-defined,no-any-return]
+
+
+def worker_pids(parent: int) -> set[int]:
+    """Live worker processes whose parent is ``parent``, read from /proc (no psutil)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid == parent and state != "Z" and b"backends.workers.worker" in cmdline:
+            pids.add(int(entry.name))
+    return pids

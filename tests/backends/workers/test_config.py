@@ -1,0 +1,32 @@
+"""Configuration of data parallelism on the reference backend, checked before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from backends.config import ReferenceBackendConfig
+from backends.engine.backend import EngineBackend
+from backends.reference.backend import build_reference_backend
+from backends.workers.backend import DataParallelBackend
+
+
+def test_one_rank_stays_in_process_unless_workers_are_asked_for() -> None:
+    assert not ReferenceBackendConfig(name="r").uses_workers
+    single = build_reference_backend(ReferenceBackendConfig(name="r"))
+    assert type(single) is EngineBackend
+    assert isinstance(
+        build_reference_backend(ReferenceBackendConfig(name="r", worker_processes=True)), DataParallelBackend
+    )
+    backend = build_reference_backend(ReferenceBackendConfig(name="r", data_parallel_size=4, lockstep=True))
+    assert isinstance(backend, DataParallelBackend)
+    assert backend.driver.plan.size == 4 and backend.driver.plan.lockstep
+
+
+def test_remote_endpoints_must_name_every_rank() -> None:
+    with pytest.raises(ValidationError, match="one per rank"):
+        ReferenceBackendConfig(name="r", data_parallel_size=2, worker_endpoints=["tcp://a:5600"])
+    with pytest.raises(ValidationError):
+        ReferenceBackendConfig(name="r", worker_endpoints=["ipc:///tmp/x"])
+    with pytest.raises(ValidationError, match="need worker processes"):
+        ReferenceBackendConfig(name="r", data_parallel_size=2, worker_processes=False)

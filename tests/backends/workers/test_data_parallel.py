@@ -1,0 +1,242 @@
+"""Data-parallel reference engines in worker processes, end to end through the HTTP API.
+
+``dp``: two independent ranks. ``lockstep``: three ranks whose engines imitate DeepInfer's DP collectives (every
+rank must make the same collective calls in the same order, or the imitation fails the group). The tests read
+the dispatcher's per-rank state (``driver.ranks``) to see where requests went.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import numpy as np
+import orjson
+
+from ...conftest import RunningGateway, wait_until
+from .conftest import driver_of
+
+
+def chat(http: httpx.Client, model: str, text: str, max_tokens: int, **extra: object) -> dict:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def complete_ids(http: httpx.Client, model: str, ids: list[int]) -> None:
+    response = http.post("/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+@contextmanager
+def open_stream(http: httpx.Client, model: str, max_tokens: int) -> Iterator[Iterator[str]]:
+    """A streaming chat request that generates ``max_tokens`` tokens; yields its SSE data payloads."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me about files."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        yield (line[6:] for line in response.iter_lines() if line.startswith("data: "))
+
+
+def dispatched(gateway: RunningGateway, backend: str) -> list[int]:
+    return [rank.dispatched for rank in driver_of(gateway, backend).ranks]
+
+
+def delta(after: list[int], before: list[int]) -> list[int]:
+    return [a - b for a, b in zip(after, before, strict=True)]
+
+
+def holding_rank(gateway: RunningGateway, backend: str) -> int:
+    """The one rank that holds a request (waits for the dispatcher to have sent it)."""
+    driver = driver_of(gateway, backend)
+    assert wait_until(lambda: sum(r.outstanding for r in driver.ranks) == 1)
+    return next(r.index for r in driver.ranks if r.outstanding == 1)
+
+
+def steps(gateway: RunningGateway, backend: str) -> list[int]:
+    return [rank.totals().steps for rank in driver_of(gateway, backend).ranks]
+
+
+# ---- spreading load ----------------------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_spread_evenly_over_the_ranks(dp_gateway: RunningGateway, http: httpx.Client) -> None:
+    before = dispatched(dp_gateway, "dp")
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            chat(http, "dp", f"Question number {i}?", 30)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert delta(dispatched(dp_gateway, "dp"), before) == [4, 4]
+
+
+def test_a_rank_busy_with_a_long_request_is_avoided(dp_gateway: RunningGateway, http: httpx.Client) -> None:
+    before = dispatched(dp_gateway, "dp")
+    with open_stream(http, "dp", 2000) as stream:
+        next(stream)
+        busy = holding_rank(dp_gateway, "dp")
+        for i in range(3):  # short and sequential: equal loads would alternate ranks; a busy one is avoided
+            chat(http, "dp", f"Short question {i}", 3)
+    change = delta(dispatched(dp_gateway, "dp"), before)
+    assert change[busy] == 1
+    assert change[1 - busy] == 3
+
+
+def test_prompts_sharing_a_long_prefix_go_to_the_same_rank(dp_gateway: RunningGateway, http: httpx.Client) -> None:
+    rng = np.random.default_rng(3)
+    shared = rng.integers(10, 8000, size=640).tolist()
+    before = dispatched(dp_gateway, "dp")
+    for i in range(4):
+        complete_ids(http, "dp", [*shared, 100 + i, 200 + i])
+    sticky = delta(dispatched(dp_gateway, "dp"), before)
+    assert sorted(sticky) == [0, 4]
+
+    before = dispatched(dp_gateway, "dp")
+    for _ in range(4):  # the control: unrelated long prompts on idle ranks alternate
+        complete_ids(http, "dp", rng.integers(10, 8000, size=640).tolist())
+    assert delta(dispatched(dp_gateway, "dp"), before) == [2, 2]
+
+
+def test_client_disconnect_aborts_the_request_on_the_rank_that_holds_it(
+    dp_gateway: RunningGateway, http: httpx.Client
+) -> None:
+    driver = driver_of(dp_gateway, "dp")
+    with open_stream(http, "dp", 2000) as stream:
+        next(stream)
+        rank = driver.ranks[holding_rank(dp_gateway, "dp")]
+        assert wait_until(lambda: rank.stats is not None and rank.stats.unfinished == 1)
+    assert wait_until(lambda: rank.outstanding == 0)
+    # The worker's own engine reports the request gone: the abort reached that rank's engine.
+    assert wait_until(lambda: rank.stats is not None and rank.stats.unfinished == 0)
+
+
+def test_readiness_and_metrics_report_every_rank(dp_gateway: RunningGateway, http: httpx.Client) -> None:
+    chat(http, "dp", "warm up the counters", 2)
+    ready = http.get("/ready").json()
+    assert ready["backends"]["dp"] == {"kind": "reference", "ready": True, "reason": "2/2 ranks up"}
+    assert ready["backends"]["lockstep"]["reason"] == "3/3 ranks up"
+    text = http.get("/metrics").text
+    for rank in ("0", "1"):
+        labels = f'{{backend="dp",rank="{rank}"}}'
+        assert f"gateway_dp_rank_up{labels} 1.0" in text
+        assert f"gateway_dp_rank_dispatched_requests_total{labels}" in text
+        assert f"gateway_dp_rank_steps_total{labels}" in text
+        assert f"gateway_dp_rank_kv_usage_ratio{labels}" in text
+        assert f"gateway_dp_rank_queued_prompt_tokens{labels}" in text
+
+
+def test_the_choices_of_one_request_share_a_rank(dp_gateway: RunningGateway, http: httpx.Client) -> None:
+    before = dispatched(dp_gateway, "dp")
+    reply = chat(http, "dp", "Three takes on one question", 4, n=3)
+    assert len(reply["choices"]) == 3
+    assert sorted(delta(dispatched(dp_gateway, "dp"), before)) == [0, 3]
+
+
+# ---- failure -----------------------------------------------------------------------------------------------------
+
+
+def test_killed_worker_fails_its_requests_cleanly_and_comes_back(
+    dp_gateway: RunningGateway, http: httpx.Client
+) -> None:
+    driver = driver_of(dp_gateway, "dp")
+    with open_stream(http, "dp", 2000) as stream:
+        next(stream)
+        victim = driver.ranks[holding_rank(dp_gateway, "dp")]
+        assert victim.process is not None
+        old_pid = victim.process.pid
+        os.kill(old_pid, signal.SIGKILL)
+        rest = list(stream)
+    error = orjson.loads(rest[-2])["error"]
+    assert rest[-1] == "[DONE]"
+    assert f"data-parallel rank {victim.index}" in error["message"]
+    assert "SIGKILL" in error["message"]
+
+    # Degraded, still ready, and the other rank keeps serving while the victim waits out its backoff.
+    assert wait_until(lambda: http.get("/ready").json()["backends"]["dp"]["reason"].startswith("1/2 ranks up"))
+    before = dispatched(dp_gateway, "dp")
+    chat(http, "dp", "served while degraded", 3)
+    assert delta(dispatched(dp_gateway, "dp"), before)[victim.index] == 0
+
+    assert wait_until(lambda: victim.state == "up", timeout=30)
+    assert victim.process is not None and victim.process.pid != old_pid
+    assert victim.restarts == 1
+    before = dispatched(dp_gateway, "dp")
+    for i in range(2):  # equal loads alternate ranks: one of these is served by the restarted rank
+        chat(http, "dp", f"after the restart {i}", 3)
+    assert delta(dispatched(dp_gateway, "dp"), before)[victim.index] == 1
+
+
+# ---- lockstep ----------------------------------------------------------------------------------------------------
+
+
+def test_lockstep_group_steps_together_while_one_rank_is_busy(dp_gateway: RunningGateway, http: httpx.Client) -> None:
+    driver = driver_of(dp_gateway, "lockstep")
+    start = steps(dp_gateway, "lockstep")
+    assert len(set(start)) == 1
+    with open_stream(http, "lockstep", 40) as stream:
+        next(stream)
+        busy = holding_rank(dp_gateway, "lockstep")
+        assert [r.outstanding for r in driver.ranks].count(0) == 2  # the others are idle: placeholder steps
+        frames = list(stream)
+    assert frames[-1] == "[DONE]"
+    assert orjson.loads(frames[-2])["choices"][0]["finish_reason"] == "length"
+    # Every step was a collective: all three ranks made exactly as many, at least one per generated token.
+    assert wait_until(
+        lambda: len(set(steps(dp_gateway, "lockstep"))) == 1 and steps(dp_gateway, "lockstep")[busy] > start[busy]
+    )
+    assert steps(dp_gateway, "lockstep")[0] - start[0] >= 39
+
+
+def test_lockstep_abort_mid_stream_leaves_the_group_serving(dp_gateway: RunningGateway, http: httpx.Client) -> None:
+    driver = driver_of(dp_gateway, "lockstep")
+    with open_stream(http, "lockstep", 2000) as stream:
+        next(stream)
+        rank = driver.ranks[holding_rank(dp_gateway, "lockstep")]
+    assert wait_until(lambda: rank.stats is not None and rank.stats.unfinished == 0 and rank.outstanding == 0)
+    reply = chat(http, "lockstep", "and now another", 5)
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert wait_until(lambda: len(set(steps(dp_gateway, "lockstep"))) == 1)
+
+
+def test_lockstep_rank_death_restarts_the_whole_group(dp_gateway: RunningGateway, http: httpx.Client) -> None:
+    driver = driver_of(dp_gateway, "lockstep")
+    with open_stream(http, "lockstep", 2000) as stream:
+        next(stream)
+        busy = holding_rank(dp_gateway, "lockstep")
+        old_pids = [r.process.pid for r in driver.ranks if r.process is not None]
+        idle = next(r for r in driver.ranks if r.index != busy)
+        assert idle.process is not None
+        os.kill(idle.process.pid, signal.SIGKILL)  # an idle rank dies: the busy one is stuck in a collective
+        rest = list(stream)
+    error = orjson.loads(rest[-2])["error"]
+    assert "lockstep group restart" in error["message"]
+    assert wait_until(lambda: http.get("/ready").json()["backends"]["lockstep"]["ready"] is False)
+    assert wait_until(lambda: all(r.state == "up" for r in driver.ranks), timeout=30)
+    new_pids = [r.process.pid for r in driver.ranks if r.process is not None]
+    assert len(new_pids) == 3 and not set(new_pids) & set(old_pids)
+    assert chat(http, "lockstep", "the group is back", 5)["choices"][0]["finish_reason"] == "length"
