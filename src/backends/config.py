@@ -13,6 +13,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class _Admission(_Strict):
+    """Admission control the gateway applies in front of every backend (docs: README, Security and limits)."""
+
+    max_in_flight: int | None = Field(1024, ge=1, description="requests admitted at once; null: no bound")
+    max_queue: int = Field(256, ge=0, description="requests that may wait for a slot; beyond: 503")
+    queue_timeout: float = Field(30.0, gt=0, description="longest wait for a slot before a 503")
+
+
 class TimingModel(_Strict):
     """Imitates an accelerator's step times so load tests on a CPU look like a real deployment."""
 
@@ -21,16 +29,13 @@ class TimingModel(_Strict):
     tokens_per_step: int = Field(1, ge=1, le=16, description="tokens accepted per decode step (speculation)")
 
 
-class ReferenceBackendConfig(_Strict):
+class ReferenceBackendConfig(_Admission):
     """The CPU reference engine: DeepInfer's engine API on a tiny n-gram language model."""
 
     name: str
     kind: Literal["reference"] = "reference"
     max_model_len: int = Field(4096, ge=16)
     max_num_seqs: int = Field(256, ge=1)
-    max_in_flight: int | None = Field(1024, ge=1, description="requests admitted at once; null: no bound")
-    max_queue: int = Field(256, ge=0, description="requests that may wait for a slot; beyond: 503")
-    queue_timeout: float = Field(30.0, gt=0, description="longest wait for a slot before a 503")
     seed: int | None = Field(None, description="seed for requests that bring none; unset: random like DeepInfer")
     default_thinking: bool = Field(False, description="thinking mode for chats that do not ask (docs/deepseek.md)")
     timing: TimingModel = TimingModel()
@@ -62,7 +67,7 @@ class ReferenceBackendConfig(_Strict):
         return self.data_parallel_size > 1 or bool(self.worker_endpoints)
 
 
-class DeepInferBackendConfig(_Strict):
+class DeepInferBackendConfig(_Admission):
     """DeepSeek's DeepInfer engine in process (SM100 / Ascend 950); see docs/deepinfer.md.
 
     Every field maps to DeepInfer's ``EngineArgs`` or to the process environment the engine reads; checks that
@@ -173,7 +178,7 @@ _ENV_HINTS = {
 }
 
 
-class LMDeployBackendConfig(_Strict):
+class LMDeployBackendConfig(_Admission):
     """One or more LMDeploy ``api_server`` nodes reached over HTTP (see docs/lmdeploy.md)."""
 
     name: str
