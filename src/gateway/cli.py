@@ -1,4 +1,4 @@
-"""The ``deepinfer-gateway`` command: ``serve``, and ``config check``."""
+"""The ``deepinfer-gateway`` command: ``serve``, ``bench`` and ``config check``."""
 
 from __future__ import annotations
 
@@ -49,6 +49,107 @@ def config_check(config: Annotated[Path, typer.Argument(help="YAML configuration
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from exc
     typer.echo(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
+
+
+def _positive_int(text: str, option: str) -> int:
+    from gateway.bench.config import BenchConfigError
+
+    if not text.isdigit() or int(text) < 1:
+        raise BenchConfigError(f"{option}: {text!r} is not a positive integer or auto")
+    return int(text)
+
+
+@app.command()
+def bench(
+    url: Annotated[str, typer.Option(help="Server root or its /v1 URL (this gateway or any OpenAI-compatible one).")],
+    model: Annotated[list[str], typer.Option("--model", help="Model to load; repeat to compare side by side.")],
+    out: Annotated[Path, typer.Option(help="Directory for results.json, report.md, requests.jsonl and PNG plots.")],
+    concurrency: Annotated[
+        str | None, typer.Option(help="Closed-loop concurrency levels, comma-separated (a sweep); default 1.")
+    ] = None,
+    request_rate: Annotated[
+        str | None, typer.Option(help="Open-loop Poisson arrival rates in req/s, comma-separated; 'inf' = all at once.")
+    ] = None,
+    max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight with --request-rate.")] = None,
+    num_requests: Annotated[
+        int | None,
+        typer.Option(help="Measured requests per model and load point; default max(50, 10 x c), 100 with a rate."),
+    ] = None,
+    duration: Annotated[float | None, typer.Option(help="Seconds per model and load point instead.")] = None,
+    input_len: Annotated[
+        str, typer.Option(help="Prompt words: N, fixed:N, uniform:LOW,HIGH or normal:MEAN,STD.")
+    ] = "256",
+    output_len: Annotated[str, typer.Option(help="max_tokens, same forms as --input-len.")] = "128",
+    dataset: Annotated[
+        Path | None, typer.Option(help="JSONL prompts: {'prompt': ...} or {'messages': [...]}, optional 'max_tokens'.")
+    ] = None,
+    prefix_groups: Annotated[int, typer.Option(help="Shared-prefix groups: each prompt starts with one of G.")] = 0,
+    prefix_len: Annotated[int, typer.Option(help="Words in each shared prefix (a system message for chat).")] = 0,
+    endpoint: Annotated[
+        str, typer.Option(help="chat (/v1/chat/completions) or completions (/v1/completions).")
+    ] = "chat",
+    ignore_eos: Annotated[bool, typer.Option(help="Send ignore_eos so outputs run to max_tokens.")] = True,
+    slo: Annotated[str | None, typer.Option(help="Goodput bounds in ms, any of ttft=200,tpot=50,e2el=5000.")] = None,
+    gpu_hour_price: Annotated[
+        float | None, typer.Option(help="USD per accelerator-hour, for cost per 1M tokens.")
+    ] = None,
+    gpus: Annotated[int | None, typer.Option(help="Accelerators serving the model.")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Bearer token sent to the server.")] = None,
+    warmup: Annotated[
+        int | None, typer.Option(help="Warm-up requests per model and load point; default c, 8 with a rate.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed for prompts, lengths and arrivals.")] = 0,
+    workers: Annotated[str, typer.Option(help="Load-generator processes: N, or auto (1 per 256 streams).")] = "auto",
+    timeout: Annotated[float, typer.Option(help="Seconds before one request counts as a timeout.")] = 600.0,
+    extra_body: Annotated[str | None, typer.Option(help="JSON object merged into every request body.")] = None,
+) -> None:
+    """Benchmark OpenAI-compatible servers: TTFT, TPOT, ITL, E2E percentiles, throughput, goodput and cost."""
+    import json
+
+    from gateway.bench.config import BenchConfig, BenchConfigError, LengthSpec, parse_levels, parse_slo
+    from gateway.bench.runner import BenchRun
+
+    try:
+        extra = json.loads(extra_body) if extra_body else {}
+        if not isinstance(extra, dict):
+            raise BenchConfigError("--extra-body must be a JSON object")
+        if concurrency and request_rate:
+            raise BenchConfigError("give --concurrency or --request-rate, not both")
+        if endpoint not in ("chat", "completions"):
+            raise BenchConfigError("--endpoint must be chat or completions")
+        config = BenchConfig(
+            url=url,
+            models=tuple(model),
+            out=out,
+            concurrency=tuple(int(c) for c in parse_levels(concurrency or "1", "--concurrency", integer=True)),
+            request_rate=tuple(parse_levels(request_rate, "--request-rate", integer=False)) if request_rate else (),
+            max_concurrency=max_concurrency,
+            num_requests=num_requests,
+            duration=duration,
+            input_len=LengthSpec.parse(input_len, "--input-len"),
+            output_len=LengthSpec.parse(output_len, "--output-len"),
+            dataset=dataset,
+            prefix_groups=prefix_groups,
+            prefix_len=prefix_len,
+            endpoint=endpoint,  # type: ignore[arg-type]
+            ignore_eos=ignore_eos,
+            slo=parse_slo(slo),
+            gpu_hour_price=gpu_hour_price,
+            gpus=gpus,
+            api_key=api_key,
+            warmup=warmup,
+            seed=seed,
+            workers=None if workers == "auto" else _positive_int(workers, "--workers"),
+            timeout=timeout,
+            extra_body=extra,
+        )
+        results = BenchRun(config).run()
+    except (BenchConfigError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if not any(run["metrics"]["requests"]["completed"] for run in results["runs"]):
+        typer.echo("error: no request completed", err=True)
+        raise typer.Exit(1)
 
 
 def main() -> None:

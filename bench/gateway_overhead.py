@@ -1,0 +1,425 @@
+"""What this gateway adds in front of an HTTP upstream, next to what LiteLLM's proxy adds, in one interleaved run.
+
+Three ways to reach the same OpenAI-compatible upstream:
+
+- ``direct``: the upstream itself;
+- ``gateway``: this gateway with one ``kind: lmdeploy`` backend pointing at the upstream;
+- ``litellm``: LiteLLM's proxy (``litellm --config``, one worker) with the upstream as an ``openai/`` model,
+  installed in its own virtualenv under ``$DEEPINFER_GATEWAY_CACHE/litellm-venv`` (default
+  ``~/.cache/deepinfer-gateway``) so its dependencies never touch this project's.
+
+The upstream is started by the script (``--upstream reference``: a second instance of this gateway on the CPU
+reference engine, timing model off; ``--upstream fake``: ``gateway.bench.fake_upstream``, the cheapest possible
+server, best for sub-millisecond deltas) or given as a URL. In every round, each (mode, concurrency) cell runs
+every target for ``--round-seconds`` in a rotated order, so drift and noise hit all targets alike. Reported per
+cell: latency p50/p99 (non-streaming) and TTFT / end-to-end p50/p99 (streaming) as the median over rounds of
+each round's percentile; "added" = target minus direct, the median over rounds of the per-round difference; and
+the ratios target / direct and LiteLLM added / gateway added.
+
+Usage: ``python bench/gateway_overhead.py [--upstream reference|fake|URL] [--concurrency 1,64] [--rounds 5]``.
+All traffic stays on 127.0.0.1. Results go to ``bench/results/gateway_overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+
+from gateway.bench.client import RequestRecord, plain_request, stream_request
+from gateway.bench.loadgen import run_event_loop
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "Describe what the module does with its files, in a few words."
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DEEPINFER_GATEWAY_CACHE") or Path.home() / ".cache" / "deepinfer-gateway")
+
+
+@dataclass
+class Target:
+    """One way to reach the upstream, with the process that serves it (None for a URL given by the user)."""
+
+    name: str
+    url: str
+    model: str
+    process: subprocess.Popen[bytes] | None = None
+    skipped: str | None = None
+    log: Path | None = None
+    api_key: str = "unused"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def wait_ready(url: str, path: str, process: subprocess.Popen[bytes] | None, timeout: float) -> str | None:
+    """None once ``url + path`` answers 200, else why not (the last answer, or the process's exit)."""
+
+    async def poll() -> str | None:
+        last = "no answer"
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while time.monotonic() < deadline:
+                if process is not None and process.poll() is not None:
+                    return f"process exited with status {process.returncode}"
+                try:
+                    async with session.get(url + path) as response:
+                        if response.status == 200:
+                            return None
+                        last = f"{path} answered {response.status}: {(await response.text())[:300]}"
+                except aiohttp.ClientError as exc:
+                    last = f"{type(exc).__name__}"
+                await asyncio.sleep(0.25)
+        return f"not ready after {timeout:.0f} s ({last})"
+
+    return run_event_loop(poll())
+
+
+def start(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+
+def serve_gateway(config: dict[str, Any], workdir: Path, name: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    port = free_port()
+    path = workdir / f"{name}.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    log = workdir / f"{name}.log"
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)]
+    return start(command, log), f"http://127.0.0.1:{port}", log
+
+
+def start_upstream(kind: str, model: str | None, workdir: Path, pace_ms: float) -> Target:
+    if kind == "reference":
+        config = {
+            "server": {"access_log": False, "log_level": "warning"},
+            "backends": [{"name": "reference", "kind": "reference", "max_num_seqs": 256}],
+            "models": [{"name": "deepinfer-reference", "backends": ["reference"]}],
+        }
+        process, url, log = serve_gateway(config, workdir, "upstream")
+        target = Target("direct", url, "deepinfer-reference", process, log=log)
+        ready = "/ready"
+    elif kind == "fake":
+        port = free_port()
+        log = workdir / "upstream.log"
+        command = [sys.executable, "-m", "gateway.bench.fake_upstream", "--port", str(port), "--pace-ms", str(pace_ms)]
+        target = Target("direct", f"http://127.0.0.1:{port}", "fake", start(command, log), log=log)
+        ready = "/health"
+    else:
+        target = Target("direct", kind.rstrip("/").removesuffix("/v1"), model or "")
+        ready = "/v1/models"
+    problem = wait_ready(target.url, ready, target.process, 180)
+    if problem:
+        raise SystemExit(f"upstream {target.url} did not start: {problem} (log: {target.log})")
+    if not target.model:
+        target.model = discover_model(target.url)
+    return target
+
+
+def discover_model(url: str) -> str:
+    async def ask() -> str:
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/models") as response:
+            return orjson.loads(await response.read())["data"][0]["id"]
+
+    return run_event_loop(ask())
+
+
+def start_gateway(upstream: Target, workdir: Path, connections: int) -> Target:
+    """This gateway with a ``kind: lmdeploy`` backend in front of the upstream."""
+    config = {
+        "server": {"access_log": False, "log_level": "warning"},
+        "backends": [
+            {
+                "name": "upstream",
+                "kind": "lmdeploy",
+                "urls": [upstream.url],
+                "model": upstream.model,
+                "max_connections": connections,
+            }
+        ],
+        "models": [{"name": upstream.model, "backends": ["upstream"]}],
+    }
+    process, url, log = serve_gateway(config, workdir, "gateway")
+    target = Target("gateway", url, upstream.model, process, log=log)
+    target.skipped = wait_ready(url, "/ready", process, 60)
+    return target
+
+
+def litellm_python(version: str | None) -> Path:
+    """The LiteLLM proxy's own virtualenv, created once and reused; pip's output goes to a log beside it."""
+    venv = cache_dir() / "litellm-venv"
+    python = venv / "bin" / "python"
+    marker = venv / f".installed-{version or 'latest'}"
+    if marker.exists():
+        return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    print(f"installing LiteLLM's proxy into {venv} (once; a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    requirement = f"litellm[proxy]=={version}" if version else "litellm[proxy]"
+    with (venv / "install.log").open("wb") as log:
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", requirement], check=True, stdout=log, stderr=log
+        )
+    marker.touch()
+    return python
+
+
+def start_litellm(upstream: Target, workdir: Path, version: str | None) -> Target:
+    target = Target("litellm", "", upstream.model, api_key=f"sk-bench-{secrets.token_hex(16)}")
+    try:
+        python = litellm_python(version)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        target.skipped = f"could not install litellm[proxy]: {exc} (see {cache_dir() / 'litellm-venv/install.log'})"
+        return target
+    config = workdir / "litellm.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "model_list": [
+                    {
+                        "model_name": upstream.model,
+                        "litellm_params": {
+                            "model": f"openai/{upstream.model}",
+                            "api_base": f"{upstream.url}/v1",
+                            "api_key": "unused",
+                        },
+                    }
+                ],
+                "litellm_settings": {"telemetry": False},
+                "general_settings": {"master_key": target.api_key},  # it refuses to start without one
+            }
+        )
+    )
+    port = free_port()
+    log = workdir / "litellm.log"
+    litellm = python.parent / "litellm"
+    command = [str(litellm), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
+    target.process = start(command, log, {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"})
+    target.url, target.log = f"http://127.0.0.1:{port}", log
+    target.extra["version"] = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    target.skipped = wait_ready(target.url, "/health/liveliness", target.process, 180)
+    return target
+
+
+async def run_cell(
+    target: Target, *, stream: bool, concurrency: int, seconds: float, tokens: int
+) -> list[RequestRecord]:
+    """A closed loop of ``concurrency`` clients for ``seconds`` against one target, after one warm-up each."""
+    body: dict[str, Any] = {
+        "model": target.model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": tokens,
+        "temperature": 0,
+    }
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    payload = orjson.dumps(body)
+    url = f"{target.url}/v1/chat/completions"
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {target.api_key}"}
+    timeout = aiohttp.ClientTimeout(total=120)
+    send = stream_request if stream else plain_request
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    records: list[RequestRecord] = []
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            *(
+                send(session, url, payload, RequestRecord(0, tokens), t0=t0, headers=headers, client_timeout=timeout)
+                for _ in range(concurrency)
+            )
+        )
+        deadline = time.perf_counter() + seconds
+
+        async def client() -> None:
+            while time.perf_counter() < deadline:
+                record = RequestRecord(len(records), tokens)
+                records.append(
+                    await send(session, url, payload, record, t0=t0, headers=headers, client_timeout=timeout)
+                )
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return records
+
+
+def percentiles(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    p50, p99 = np.percentile(np.asarray(values) * 1000, [50, 99])
+    return float(p50), float(p99)
+
+
+def round_stats(records: list[RequestRecord], seconds: float) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    latency = percentiles([r.end - r.start for r in ok])
+    ttft = percentiles([r.token_times[0] - r.start for r in ok if r.token_times])
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "error_kinds": sorted({r.error for r in records if r.error}),
+        "req_per_s": len(ok) / seconds,
+        "latency_p50_ms": latency[0],
+        "latency_p99_ms": latency[1],
+        "ttft_p50_ms": ttft[0],
+        "ttft_p99_ms": ttft[1],
+    }
+
+
+def median(values: list[float]) -> float | None:
+    values = [v for v in values if v == v]  # drop NaN
+    return statistics.median(values) if values else None
+
+
+def summarize(rounds: dict[str, list[dict[str, Any]]], stream: bool) -> dict[str, Any]:
+    """Median over rounds of each target's percentiles, and of its per-round difference from direct."""
+    keys = ["latency_p50_ms", "latency_p99_ms"] + (["ttft_p50_ms", "ttft_p99_ms"] if stream else [])
+    direct = rounds.get("direct", [])
+    out: dict[str, Any] = {}
+    for name, stats in rounds.items():
+        row: dict[str, Any] = {k: median([s[k] for s in stats]) for k in keys}
+        row["req_per_s"] = median([s["req_per_s"] for s in stats])
+        row["errors"] = sum(s["errors"] for s in stats)
+        row["error_kinds"] = sorted({k for s in stats for k in s["error_kinds"]})
+        if name != "direct" and direct:
+            for key in keys:
+                row[f"added_{key}"] = median([s[key] - d[key] for s, d in zip(stats, direct, strict=False)])
+                base = row[key] if row[key] is not None else None
+                row[f"ratio_{key}"] = base / out["direct"][key] if base and out["direct"][key] else None
+        out[name] = row
+    gateway, litellm = out.get("gateway"), out.get("litellm")
+    if gateway and litellm:
+        for key in keys:
+            g, lt = gateway.get(f"added_{key}"), litellm.get(f"added_{key}")
+            out.setdefault("litellm_added_over_gateway_added", {})[key] = lt / g if g and lt and g > 0 else None
+    return out
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_cell(stream: bool, concurrency: int, summary: dict[str, Any]) -> None:
+    """One line per target: its percentiles, and for gateway and LiteLLM what they add over direct."""
+    mode = f"{'stream' if stream else 'non-stream':10s} c={concurrency:<3d}"
+    key = "ttft_p50_ms" if stream else "latency_p50_ms"
+    for name, row in summary.items():
+        if name == "litellm_added_over_gateway_added":
+            ratios = ", ".join(f"{k} {fmt(v, 1)}x" for k, v in row.items())
+            print(f"  {mode} LiteLLM added / gateway added: {ratios}")
+            continue
+        line = f"  {mode} {name:8s} p50 {fmt(row['latency_p50_ms'])} p99 {fmt(row['latency_p99_ms'])}"
+        if stream:
+            line += f" TTFT p50 {fmt(row['ttft_p50_ms'])} p99 {fmt(row['ttft_p99_ms'])}"
+        line += f"  {fmt(row['req_per_s'], 0)} req/s  errors {row['errors']}"
+        if name != "direct":
+            line += f"  added p50 {fmt(row.get('added_latency_p50_ms'))} p99 {fmt(row.get('added_latency_p99_ms'))}"
+            if stream:
+                line += f" TTFT p50 {fmt(row.get('added_ttft_p50_ms'))}"
+            line += f"  {fmt(row.get('ratio_' + key))}x direct"
+        print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--upstream", default="reference", help="reference, fake, or the URL of a running server")
+    parser.add_argument("--upstream-model", default=None, help="model name at a URL upstream (default: its first)")
+    parser.add_argument("--pace-ms", type=float, default=0.0, help="fake upstream: milliseconds between chunks")
+    parser.add_argument("--concurrency", default="1,64")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--round-seconds", type=float, default=2.0, help="seconds per target per cell per round")
+    parser.add_argument("--max-tokens", type=int, default=16, help="non-streaming answer length")
+    parser.add_argument("--stream-tokens", type=int, default=64, help="streaming answer length")
+    parser.add_argument("--no-litellm", action="store_true", help="compare with direct only")
+    parser.add_argument("--litellm-version", default=None, help="pin litellm[proxy] (default: newest)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway_overhead.json")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
+    targets: list[Target] = []
+    try:
+        upstream = start_upstream(args.upstream, args.upstream_model, workdir, args.pace_ms)
+        targets.append(upstream)
+        targets.append(start_gateway(upstream, workdir, max(levels) * 2))
+        if not args.no_litellm:
+            targets.append(start_litellm(upstream, workdir, args.litellm_version))
+        for target in targets:
+            if target.skipped:
+                print(f"skipping {target.name}: {target.skipped} (log: {target.log})", flush=True)
+        live = [t for t in targets if not t.skipped]
+        cells = [(stream, c) for stream in (False, True) for c in levels]
+        rounds: dict[tuple[bool, int], dict[str, list[dict[str, Any]]]] = {cell: {} for cell in cells}
+        for number in range(args.rounds):
+            for stream, concurrency in cells:
+                order = live[number % len(live) :] + live[: number % len(live)]  # rotate who goes first
+                for target in order:
+                    tokens = args.stream_tokens if stream else args.max_tokens
+                    records = run_event_loop(
+                        run_cell(
+                            target, stream=stream, concurrency=concurrency, seconds=args.round_seconds, tokens=tokens
+                        )
+                    )
+                    stats = round_stats(records, args.round_seconds)
+                    rounds[(stream, concurrency)].setdefault(target.name, []).append(stats)
+            print(f"round {number + 1}/{args.rounds} done", flush=True)
+        results = []
+        print(
+            f"\nupstream: {args.upstream} ({upstream.url}, model {upstream.model}); medians over {args.rounds} rounds "
+            f"of {args.round_seconds:g} s per target and cell; ms"
+        )
+        for (stream, concurrency), per_target in rounds.items():
+            summary = summarize(per_target, stream)
+            results.append({"stream": stream, "concurrency": concurrency, "summary": summary, "rounds": per_target})
+            print_cell(stream, concurrency, summary)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_bytes(
+            orjson.dumps(
+                {
+                    "upstream": {"kind": args.upstream, "url": upstream.url, "model": upstream.model},
+                    "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "targets": {t.name: {"skipped": t.skipped, **t.extra} for t in targets},
+                    "cpu_count": os.cpu_count(),
+                    "cells": results,
+                },
+                option=orjson.OPT_INDENT_2,
+            )
+        )
+        print(f"wrote {args.out}")
+    finally:
+        for target in targets:
+            if target.process is not None and target.process.poll() is None:
+                target.process.terminate()
+                try:
+                    target.process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    target.process.kill()
+        if targets and not any(t.skipped for t in targets):
+            shutil.rmtree(workdir, ignore_errors=True)  # keep the logs only when something did not start
+
+
+if __name__ == "__main__":
+    main()
