@@ -55,8 +55,10 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        metrics.watch_gc()
         starting = asyncio.create_task(_start_backends(state))
-        starting.add_done_callback(_freeze_gc)
+        if config.server.gc_tuning:
+            starting.add_done_callback(_freeze_gc)
         try:
             yield
         finally:
@@ -64,6 +66,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
             await asyncio.gather(starting, return_exceptions=True)
             await state.router.aclose()  # shadow requests: cancelled, they never hold the shutdown up
             await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
+            metrics.close()
 
     # Streams end when they are done or when uvicorn's drain timeout cancels them, never at the first SIGTERM.
     AppStatus.disable_automatic_graceful_drain()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -71,6 +72,31 @@ class GatewayMetrics:
         self.errors = Counter(
             "gateway_request_errors", "Requests that ended in an error, by error code.", (*labels, "code"), registry=r
         )
+
+    def watch_gc(self) -> None:
+        """Counts collections and their pauses per generation, so GC tuning is measured, not assumed."""
+        pauses = Counter(
+            "gateway_gc_pause_seconds", "Time spent in garbage collection.", ("generation",), registry=self.registry
+        )
+        collections = Counter("gateway_gc_collections", "Garbage collections.", ("generation",), registry=self.registry)
+        children = {g: (pauses.labels(str(g)), collections.labels(str(g))) for g in range(3)}
+        started = [0.0]
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                pause, count = children[info["generation"]]
+                pause.inc(time.perf_counter() - started[0])
+                count.inc()
+
+        gc.callbacks.append(on_gc)
+        self._gc_callback = on_gc
+
+    def close(self) -> None:
+        callback = getattr(self, "_gc_callback", None)
+        if callback is not None and callback in gc.callbacks:
+            gc.callbacks.remove(callback)
 
     def watch_backends(self, backends: Iterable[Backend]) -> None:
         self.registry.register(_BackendCollector(list(backends)))

@@ -31,7 +31,12 @@ def test_health_and_ready_report_ok_with_backend_detail(http: httpx.Client) -> N
     assert http.get("/health").json() == {"status": "ok"}
     ready = http.get("/ready")
     assert ready.status_code == 200
-    assert ready.json()["backends"]["reference"] == {"kind": "reference", "ready": True, "reason": "ready"}
+    assert ready.json()["backends"]["reference"] == {
+        "kind": "reference",
+        "ready": True,
+        "reason": "ready",
+        "circuits": {MODEL: "closed"},
+    }
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -80,6 +85,7 @@ def test_metrics_count_requests_tokens_and_latencies_by_model_and_backend(
     assert ("gateway_time_to_first_token_seconds_bucket", tuple(sorted((*labels, ("le", "0.005"))))) in after
     assert after[("gateway_backend_ready", (("backend", "reference"),))] == 1
     assert after[("gateway_engine_steps_total", (("backend", "reference"),))] > 0
+    assert ("gateway_gc_collections_total", (("generation", "0"),)) in after
 
 
 class _SlowStartBackend:

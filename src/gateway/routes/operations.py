@@ -30,6 +30,10 @@ async def ready(request: Request) -> Response:
         ok, reason = backend.readiness()
         backends[name] = {"kind": backend.kind, "ready": ok, "reason": reason}
         all_ready = all_ready and ok
+    for target in state.router.targets():  # detail only: an open circuit reroutes traffic, it does not unready
+        entry = backends.get(target.backend.name)
+        if entry is not None:
+            entry.setdefault("circuits", {})[target.model] = target.breaker.state
     for name, error in state.start_errors.items():
         backends[name] = {"kind": backends.get(name, {}).get("kind"), "ready": False, "reason": error}
         all_ready = False
