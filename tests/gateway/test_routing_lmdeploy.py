@@ -13,13 +13,9 @@ import pytest
 from gateway.config import GatewayConfig
 
 from ..backends.lmdeploy.harness.server import API_KEY, MODEL_NAME, HarnessNode, make_node
-from ..backends.lmdeploy.harness.venv import harness_python
 from ..conftest import RunningGateway, start_gateway, stop_gateway, wait_until
 from .test_routing import _chat, _data_frames, _served_by, _shadow, _targets
 
-pytestmark = pytest.mark.skipif(
-    harness_python() is None, reason="the LMDeploy harness virtualenv is not built (tests/backends/lmdeploy builds it)"
-)
 FAIL_BEFORE_FIRST_TOKEN = "[[stub fail=INTERNAL_ENGINE_ERROR after=0 tag=routing-fallback]]"
 FAIL_AFTER_TWO_TOKENS = "[[stub fail=INTERNAL_ENGINE_ERROR after=2]]"
 

@@ -41,12 +41,14 @@ HARNESS_BUILD_TIMEOUT = 1800
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The first test here may have to build the harness virtualenv: give these tests room until it is cached."""
+    """The first test that starts a harness node may have to build its virtualenv: give the tests that use the
+    harness (here, and the cross-kind routing tests) room until it is cached."""
     if harness_python() is not None:
         return
     here = Path(__file__).parent
     for item in items:
-        if here in Path(str(item.fspath)).parents:
+        path = Path(str(item.fspath))
+        if here in path.parents or "lmdeploy" in path.name:
             item.add_marker(pytest.mark.timeout(HARNESS_BUILD_TIMEOUT))
 
 

@@ -46,7 +46,8 @@ def cache_dir() -> Path:
 def venv_key() -> str:
     digest = hashlib.sha256()
     digest.update(REQUIREMENTS.read_bytes())
-    digest.update(repr((STEPS, CHECK, sys.version_info[:2])).encode())
+    steps = [[part if part != str(REQUIREMENTS) else REQUIREMENTS.name for part in step] for step in STEPS]
+    digest.update(repr((steps, CHECK, sys.version_info[:2])).encode())  # no absolute paths: one cache per machine
     return digest.hexdigest()[:16]
 
 
