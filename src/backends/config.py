@@ -68,7 +68,7 @@ class ReferenceBackendConfig(_Admission):
 
 
 class DeepInferBackendConfig(_Admission):
-    """DeepSeek's DeepInfer engine in process (SM100 / Ascend 950); see docs/deepinfer.md.
+    """DeepSeek's DeepInfer engine, in process or one worker per DP rank (SM100 / Ascend 950); docs/deepinfer.md.
 
     Every field maps to DeepInfer's ``EngineArgs`` or to the process environment the engine reads; checks that
     DeepInfer would only make with an ``assert`` deep inside construction are made here, so a bad file fails
@@ -86,7 +86,18 @@ class DeepInferBackendConfig(_Admission):
     max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per prefill step; unset: derived")
     expert_parallel_size: int = Field(1, ge=1)
     context_parallel_size: int = Field(1, ge=1, description="GPUs this process drives (CP ranks)")
-    data_parallel_size: int = Field(1, ge=1, description="DP ranks; the gateway drives one rank per process")
+    data_parallel_size: int = Field(
+        1, ge=1, le=256, description="DP ranks; above 1, one worker process per rank, stepping in lockstep"
+    )
+    master_addr: str = Field(
+        "127.0.0.1", description="DP > 1: MASTER_ADDR of DeepInfer's torch.distributed rendezvous (rank 0's host)"
+    )
+    master_port: int | None = Field(
+        None,
+        ge=51,
+        le=65535,
+        description="DP > 1: MASTER_PORT (DeepInfer listens on MASTER_PORT - 50); unset: a free port per launch",
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     chunked_prefill: bool = False
     stop_preempted_request: bool = Field(
@@ -101,8 +112,9 @@ class DeepInferBackendConfig(_Admission):
     visible_devices: str | None = Field(
         None,
         pattern=r"^\d+(,\d+)*$",
-        description="CUDA_VISIBLE_DEVICES (and ASCEND_RT_VISIBLE_DEVICES on Ascend), driver GPU first; "
-        "unset: the process's own value, else the first context_parallel_size devices",
+        description="CUDA_VISIBLE_DEVICES (and ASCEND_RT_VISIBLE_DEVICES on Ascend), driver GPU first; with "
+        "data_parallel_size N, rank r gets the r-th group of context_parallel_size devices; "
+        "unset: the process's own value, else the first context_parallel_size x data_parallel_size devices",
     )
     env: dict[str, str] = Field(
         default_factory=dict, description="variables set before deepinfer is imported (DEEPINFER_*, NCCL_*, ...)"
@@ -111,23 +123,27 @@ class DeepInferBackendConfig(_Admission):
     @model_validator(mode="after")
     def _check_engine_arguments(self) -> DeepInferBackendConfig:
         cp, dp, ep = self.context_parallel_size, self.data_parallel_size, self.expert_parallel_size
-        if dp != 1:
-            raise ValueError(
-                "data_parallel_size > 1 needs one engine process per DP rank stepping in lockstep, which the "
-                "gateway's driver does not do yet (issue 6); use context_parallel_size for more GPUs per process"
-            )
         if (cp * dp) % ep:
             raise ValueError(
                 f"expert_parallel_size ({ep}) must divide context_parallel_size x data_parallel_size ({cp * dp}): "
-                "DeepInfer shards experts over the GPUs of this process"
+                "DeepInfer shards experts over the GPUs of its ranks"
             )
-        if self.visible_devices is not None and len(self.visible_devices.split(",")) < cp:
-            raise ValueError(f"visible_devices must list at least context_parallel_size ({cp}) devices")
+        if self.visible_devices is not None:
+            devices = self.visible_devices.split(",")
+            if len(devices) < cp * dp:
+                raise ValueError(
+                    f"visible_devices must list at least context_parallel_size x data_parallel_size ({cp * dp}) "
+                    "devices: every DP rank drives its own context_parallel_size devices"
+                )
+            if len(set(devices)) != len(devices):
+                raise ValueError("visible_devices lists a device twice; ranks must not share a device")
         for key in self.env:
             if not _ENV_NAME.fullmatch(key):
                 raise ValueError(f"env: {key!r} is not an environment variable name (A-Z, 0-9, _)")
             if key in _DEVICE_VARIABLES:
                 raise ValueError(f"env: set {key} with visible_devices, not env")
+            if key in _RENDEZVOUS_VARIABLES and dp > 1:
+                raise ValueError(f"env: set {key} with {key.lower()}, not env (it is per launch of the DP group)")
         for key, check in _ENV_CHECKS.items():
             value = self.env.get(key)
             if value is not None and not check(value):
@@ -148,6 +164,7 @@ class DeepInferBackendConfig(_Admission):
 
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 _DEVICE_VARIABLES = frozenset({"CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"})
+_RENDEZVOUS_VARIABLES = frozenset({"MASTER_ADDR", "MASTER_PORT"})
 
 
 def _deepinfer_bool(value: str) -> bool:

@@ -57,6 +57,7 @@ class DeepInferEngine:
         self.tokenizer: Tokenizer = tokenizer
         self.max_model_len: int = llm_engine.model_config.max_model_len
         self.vocab_size: int = llm_engine.model_config.get_vocab_size()
+        self.max_num_seqs: int = llm_engine.scheduler_config.max_num_seqs  # a DP worker's fallback load figure
         self.fingerprint = f"fp_deepinfer-{version}-batch_invariant_{'on' if batch_invariant else 'off'}"
         self.has_unfinished_requests: Callable[[], bool] = llm_engine.has_unfinished_requests
         self.get_num_unfinished_requests: Callable[[], int] = llm_engine.get_num_unfinished_requests

@@ -44,17 +44,18 @@ _owner: str | None = None
 """The backend whose engine lives in this process: DeepInfer runs one engine (one DP rank) per process."""
 
 
-def start_engine(config: DeepInferBackendConfig) -> DeepInferEngine:
-    """Constructs the engine for ``config``; raises ``DeepInferStartupError`` with the reason if it cannot."""
+def start_engine(config: DeepInferBackendConfig, *, engine_rank: int = 0) -> DeepInferEngine:
+    """Constructs the engine for ``config`` (DP rank ``engine_rank`` of ``config.data_parallel_size``); raises
+    ``DeepInferStartupError`` with the reason if it cannot."""
     _claim_process(config.name)
     try:
-        return _start(config)
+        return _start(config, engine_rank)
     except BaseException:
         _release_process()
         raise
 
 
-def _start(config: DeepInferBackendConfig) -> DeepInferEngine:
+def _start(config: DeepInferBackendConfig, engine_rank: int) -> DeepInferEngine:
     try:
         model_dir = resolve_model_dir(config.model, config.revision)
         tokenizer_dir = resolve_model_dir(config.tokenizer, what="tokenizer") if config.tokenizer else None
@@ -71,8 +72,15 @@ def _start(config: DeepInferBackendConfig) -> DeepInferEngine:
     apply_environment(env)
     modules = import_deepinfer()
     check_accelerator(config)
-    args = engine_args(config, modules.EngineArgs, model_dir, tokenizer_dir)
-    logger.info("starting DeepInfer %s for backend %s from %s", modules.version, config.name, model_dir)
+    args = engine_args(config, modules.EngineArgs, model_dir, tokenizer_dir, engine_rank=engine_rank)
+    logger.info(
+        "starting DeepInfer %s for backend %s (DP rank %d of %d) from %s",
+        modules.version,
+        config.name,
+        engine_rank,
+        config.data_parallel_size,
+        model_dir,
+    )
     try:
         llm_engine = modules.LLMEngine.from_engine_args(args)
     except Exception as exc:
@@ -141,7 +149,9 @@ def check_accelerator(config: DeepInferBackendConfig) -> None:
         ) from exc
 
 
-def engine_args(config: DeepInferBackendConfig, engine_args_class: Any, model: Path, tokenizer: Path | None) -> Any:
+def engine_args(
+    config: DeepInferBackendConfig, engine_args_class: Any, model: Path, tokenizer: Path | None, *, engine_rank: int = 0
+) -> Any:
     """``EngineArgs`` from the config: every size explicit, above all ``max_model_len`` (DeepInfer's default: 4096)."""
     return engine_args_class(
         model=str(model),
@@ -154,6 +164,7 @@ def engine_args(config: DeepInferBackendConfig, engine_args_class: Any, model: P
         data_parallel_size=config.data_parallel_size,
         context_parallel_size=config.context_parallel_size,
         expert_parallel_size=config.expert_parallel_size,
+        engine_rank=engine_rank,
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,

@@ -33,7 +33,10 @@ def test_max_model_len_is_required() -> None:
     ("overrides", "message"),
     [
         ({"expert_parallel_size": 8}, "must divide context_parallel_size"),
-        ({"data_parallel_size": 2}, "issue 6"),
+        ({"data_parallel_size": 2, "expert_parallel_size": 4}, "must divide context_parallel_size"),
+        ({"data_parallel_size": 2, "visible_devices": "0"}, "context_parallel_size x data_parallel_size"),
+        ({"data_parallel_size": 2, "visible_devices": "0,0"}, "ranks must not share a device"),
+        ({"data_parallel_size": 2, "env": {"MASTER_PORT": "29500"}}, "with master_port, not env"),
         ({"context_parallel_size": 4, "visible_devices": "0,1"}, "at least context_parallel_size"),
         ({"visible_devices": "0;1"}, "pattern"),
         ({"env": {"CUDA_VISIBLE_DEVICES": "0"}}, "visible_devices, not env"),
@@ -48,6 +51,11 @@ def test_max_model_len_is_required() -> None:
 def test_invalid_engine_settings_fail_config_validation(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         config(**overrides)
+
+
+def test_data_parallel_config_is_accepted_with_a_device_group_per_rank() -> None:
+    parsed = config(data_parallel_size=2, context_parallel_size=2, expert_parallel_size=4, visible_devices="0,1,2,3")
+    assert (parsed.data_parallel_size, parsed.master_addr, parsed.master_port) == (2, "127.0.0.1", None)
 
 
 def test_valid_multi_gpu_config() -> None:

@@ -53,7 +53,12 @@ def idle(served: RunningGateway) -> bool:
 
 def test_ready_reports_the_deepinfer_backend(served: RunningGateway) -> None:
     ready = httpx.get(f"{served.base_url}/ready").json()
-    assert ready["backends"]["deepinfer"] == {"kind": "deepinfer", "ready": True, "reason": "ready"}
+    assert ready["backends"]["deepinfer"] == {
+        "kind": "deepinfer",
+        "ready": True,
+        "reason": "ready",
+        "circuits": {MODEL: "closed"},
+    }
 
 
 def test_completion_text_stops_at_eos_without_showing_it(client: openai.OpenAI, schemas: OpenAISchemas) -> None:

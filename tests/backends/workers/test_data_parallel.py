@@ -138,7 +138,12 @@ def test_client_disconnect_aborts_the_request_on_the_rank_that_holds_it(
 def test_readiness_and_metrics_report_every_rank(dp_gateway: RunningGateway, http: httpx.Client) -> None:
     chat(http, "dp", "warm up the counters", 2)
     ready = http.get("/ready").json()
-    assert ready["backends"]["dp"] == {"kind": "reference", "ready": True, "reason": "2/2 ranks up"}
+    assert ready["backends"]["dp"] == {
+        "kind": "reference",
+        "ready": True,
+        "reason": "2/2 ranks up",
+        "circuits": {"dp": "closed"},
+    }
     assert ready["backends"]["lockstep"]["reason"] == "3/3 ranks up"
     text = http.get("/metrics").text
     for rank in ("0", "1"):

@@ -24,3 +24,9 @@ def kv_blocks_at_full_memory() -> int:
 
 def idle_cpus() -> int:
     return int(os.environ.get("DEEPINFER_DOUBLE_IDLE_CPUS", "8"))
+
+
+def step_seconds() -> float:
+    """``DEEPINFER_DOUBLE_STEP_SECONDS``: how long each ``step()`` takes (default 0), to hold requests across
+    processes, where ``STEP_GATE`` cannot reach."""
+    return float(os.environ.get("DEEPINFER_DOUBLE_STEP_SECONDS", "0"))

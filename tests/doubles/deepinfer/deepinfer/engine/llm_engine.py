@@ -31,6 +31,7 @@ from deepinfer.config import CacheConfig, ModelConfig, ParallelConfig, Scheduler
 from deepinfer.engine.arg_utils import EngineArgs
 from deepinfer.engine.engine_type import EngineType
 from deepinfer.hugging_face import get_hf_tokenizer
+from deepinfer.model_executor.parallel_utils.parallel_state import PG
 from deepinfer.sampling_params import SamplingParams
 
 NUM_MM_SPECIAL = 5
@@ -69,6 +70,11 @@ class LLMEngine:
         self.offline_inference = offline_inference
         self.closed = False
 
+        self.data_parallel_size = parallel_config.data_parallel_size
+        self.collectives = 0
+        """Collective calls this rank made (DP > 1; double only)."""
+        if self.data_parallel_size > 1:
+            self._init_distributed(parallel_config)
         self.tokenizer = get_hf_tokenizer(model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)
         self.eos_id = self.tokenizer.eos_token_id
         self.multimodal_pool_bytes = (
@@ -186,11 +192,30 @@ class LLMEngine:
         return self.scheduler.get_num_unfinished_seqs() + len(self._so_pending)
 
     def has_unfinished_requests(self) -> bool:
+        """Local answer, then (DP > 1) a MAX all-reduce over the DP group: a collective every rank must call."""
         self._check_caller()
-        return self.scheduler.has_unfinished_seqs() or bool(self._so_pending)
+        unfinished = self.scheduler.has_unfinished_seqs() or bool(self._so_pending)
+        group = PG.cpu_data_parallel_group() if self.zero_overhead_scheduling else PG.data_parallel_group()
+        if group.size() > 1:
+            import torch
+            import torch.distributed as dist
+
+            tensor = torch.full((1,), unfinished, dtype=torch.int64, device="cpu")
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+            self.collectives += 1
+            unfinished = tensor.item() > 0
+        return unfinished
 
     def close(self) -> None:
+        """DeepInfer's ``Worker.stop``: two world barriers, then the process group goes (every rank together)."""
         self._check_caller()
+        if self.data_parallel_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.barrier()
+            dist.destroy_process_group()
+            self.collectives += 3
         self.closed = True
         self.request_output_pool.release()
 
@@ -217,6 +242,14 @@ class LLMEngine:
         self._pump_grammar_compiles()
         self._account(records)
         self.generate_step += 1
+        if self.data_parallel_size > 1:  # the forward's MoE all-to-all: an idle rank's placeholder step joins it
+            import torch.distributed as dist
+
+            dist.barrier(group=PG.world_group())
+            self.collectives += 1
+        delay = _double.step_seconds()
+        if delay:
+            time.sleep(delay)
         return self.request_output_pool.allocate(records)
 
     def flush_inflight_reqs(self) -> np.ndarray:
@@ -229,6 +262,23 @@ class LLMEngine:
         return self.request_output_pool.allocate(records)
 
     # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _init_distributed(self, parallel_config: ParallelConfig) -> None:
+        """DeepInfer's rendezvous: gloo at ``tcp://MASTER_ADDR:(MASTER_PORT - 50 + engine_group_rank)``.
+
+        The double's world is the DP ranks' driver processes (it spawns no CP workers), so its rank is the DP rank.
+        """
+        import torch.distributed as dist
+
+        host = os.environ.get("MASTER_ADDR", "localhost")
+        port = int(os.environ.get("MASTER_PORT", "23333")) - 50 + parallel_config.engine_group_rank
+        dist.init_process_group(
+            backend="gloo",
+            world_size=self.data_parallel_size,
+            rank=parallel_config.data_parallel_rank,
+            init_method=f"tcp://{host}:{port}",
+        )
+        PG.create_process_groups(self.data_parallel_size)
 
     def _check_caller(self) -> None:
         if self.closed:

@@ -1,0 +1,319 @@
+"""``deepinfer`` with ``data_parallel_size`` > 1: one DeepInfer rank per worker process, stepping in lockstep.
+
+The workers import the TEST DOUBLEs of ``deepinfer`` and ``torch.distributed`` (via ``PYTHONPATH``): the double's
+``has_unfinished_requests`` is a MAX all-reduce over the DP group and ``step`` and ``close`` are collectives, each
+checked across the processes, so a rank calling a different collective than its peers fails the group loudly
+(``CollectiveError``, a failed rank, failed requests) instead of passing by luck. ``di2`` has two ranks, ``di3``
+three. The tests read the dispatcher's per-rank state (``driver.ranks``) to see where requests went.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from backends.registry import build_backend
+from backends.workers.driver import DataParallelDriver
+from gateway.admission import admitted
+from gateway.config import GatewayConfig
+
+from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
+from ..workers.conftest import worker_pids
+from .conftest import DOUBLE_DIR, deepinfer_on_path
+
+TORCH_DOUBLE_DIR = DOUBLE_DIR.parent / "torch"
+MAX_MODEL_LEN = 1024
+ENGINE_ENV = {"DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1", "DEEPINFER_USE_NEXTN_DECODE": "0"}
+"""Prefill at once, and one token per request per step, so a long request lasts many steps."""
+STEP_SECONDS = "0.003"
+"""Each double step sleeps this long, so a request of a few hundred tokens is still running when a test acts."""
+RESTART_BACKOFF = 1.0
+
+
+@contextlib.contextmanager
+def doubles_for_workers() -> Iterator[None]:
+    """The doubles on this process's path and on every worker's ``PYTHONPATH`` (environment restored after)."""
+    with deepinfer_on_path():
+        path = os.pathsep.join([str(DOUBLE_DIR), str(TORCH_DOUBLE_DIR), os.environ.get("PYTHONPATH", "")])
+        os.environ["PYTHONPATH"] = path.rstrip(os.pathsep)
+        os.environ["DEEPINFER_DOUBLE_STEP_SECONDS"] = STEP_SECONDS
+        os.environ["DEEPINFER_DOUBLE_COLLECTIVE_TIMEOUT"] = "30"
+        yield
+
+
+def backend_config(model_dir: Path, name: str, size: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "kind": "deepinfer",
+        "model": str(model_dir),
+        "max_model_len": MAX_MODEL_LEN,
+        "data_parallel_size": size,
+        "visible_devices": ",".join(str(i) for i in range(size)),
+        "env": ENGINE_ENV,
+        **extra,
+    }
+
+
+def start(backends: list[dict[str, Any]]) -> RunningGateway:
+    config = GatewayConfig(backends=backends, models=[{"name": b["name"], "backends": [b["name"]]} for b in backends])
+    built = {}
+    for backend_config_ in config.backends:
+        backend = build_backend(backend_config_)
+        backend.driver.plan.restart_backoff = RESTART_BACKOFF  # type: ignore[attr-defined]
+        built[backend_config_.name] = admitted(backend, backend_config_)
+    return start_gateway(config, backends=built, ready_timeout=90)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: Path) -> Iterator[RunningGateway]:
+    with doubles_for_workers():
+        running = start([backend_config(model_dir, "di2", 2), backend_config(model_dir, "di3", 3)])
+        yield running
+        stop_gateway(running)
+
+
+@pytest.fixture(scope="module")
+def http(served: RunningGateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served.base_url, timeout=60) as client:
+        yield client
+
+
+def driver_of(gateway: RunningGateway, backend: str) -> DataParallelDriver:
+    return gateway.state.backends[backend].driver  # type: ignore[attr-defined,no-any-return]
+
+
+def chat(http: httpx.Client, model: str, text: str, max_tokens: int) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    response = http.post("/v1/chat/completions", json={**body, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def open_stream(http: httpx.Client, model: str, max_tokens: int) -> Iterator[Iterator[str]]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me about files."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        yield (line[6:] for line in response.iter_lines() if line.startswith("data: "))
+
+
+def holding_rank(gateway: RunningGateway, backend: str) -> int:
+    driver = driver_of(gateway, backend)
+    assert wait_until(lambda: sum(r.outstanding for r in driver.ranks) == 1)
+    return next(r.index for r in driver.ranks if r.outstanding == 1)
+
+
+def steps(gateway: RunningGateway, backend: str) -> list[int]:
+    return [rank.totals().steps for rank in driver_of(gateway, backend).ranks]
+
+
+def engine_sample(gateway: RunningGateway, backend: str, rank: int, name: str) -> float | None:
+    samples = {s[0]: s for s in driver_of(gateway, backend).ranks[rank].samples}
+    return float(samples[name][3]) if name in samples else None
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+# ---- ranks, devices, rendezvous ----------------------------------------------------------------------------------
+
+
+def test_each_rank_has_its_own_devices_and_all_meet_at_one_rendezvous(served: RunningGateway) -> None:
+    for backend, size in (("di2", 2), ("di3", 3)):
+        ranks = driver_of(served, backend).ranks
+        environs = [environ_of(rank.pid) for rank in ranks if rank.pid is not None]
+        assert [e["CUDA_VISIBLE_DEVICES"] for e in environs] == [str(i) for i in range(size)]
+        assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in environs}) == 1
+    ports = {environ_of(driver_of(served, b).ranks[0].pid or 0)["MASTER_PORT"] for b in ("di2", "di3")}
+    assert len(ports) == 2, "two DP groups must not share a rendezvous"
+
+
+def test_the_gateway_reports_the_group_ready(http: httpx.Client) -> None:
+    ready = http.get("/ready").json()["backends"]
+    assert ready["di2"]["ready"] and ready["di2"]["reason"].startswith("2/2 ranks up")
+    assert ready["di3"]["ready"] and ready["di3"]["reason"].startswith("3/3 ranks up")
+
+
+# ---- spreading load ----------------------------------------------------------------------------------------------
+
+
+def test_requests_spread_over_the_ranks_and_come_back_right(served: RunningGateway, http: httpx.Client) -> None:
+    before = [r.dispatched for r in driver_of(served, "di3").ranks]
+    for i in range(6):
+        reply = chat(http, "di3", f"alpha beta request number {i}", 4)
+        assert reply["choices"][0]["finish_reason"] == "length"
+        assert reply["usage"]["completion_tokens"] == 4
+    after = [r.dispatched for r in driver_of(served, "di3").ranks]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2, 2], "equal loads rotate over the ranks"
+
+
+def test_openai_sdk_streams_and_completes_through_the_data_parallel_backend(served: RunningGateway) -> None:
+    client = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+    reply = client.completions.create(model="di2", prompt="alpha beta gamma", max_tokens=50)
+    assert reply.choices[0].text == "alpha beta gamma"
+    assert reply.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.chat.completions.create(
+            model="di2", messages=[{"role": "user", "content": "hello files"}], max_tokens=3, stream=True
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].choices[0].finish_reason == "length"
+
+
+# ---- lockstep ----------------------------------------------------------------------------------------------------
+
+
+def test_idle_ranks_step_in_lockstep_with_the_busy_one(served: RunningGateway, http: httpx.Client) -> None:
+    start_steps = steps(served, "di3")
+    with open_stream(http, "di3", 60) as stream:
+        next(stream)
+        busy = holding_rank(served, "di3")
+        rest = list(stream)
+    assert rest[-1] == "[DONE]" and orjson.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+    driver = driver_of(served, "di3")
+    assert [r.outstanding for r in driver.ranks] == [0, 0, 0]
+    # Every rank reports the same step count (idle ones ran placeholder steps), and at least the busy rank's 60.
+    assert wait_until(lambda: len(set(steps(served, "di3"))) == 1 and steps(served, "di3")[busy] > start_steps[busy])
+    assert steps(served, "di3")[0] - start_steps[0] >= 60
+    assert all(r.state == "up" and r.restarts == 0 for r in driver.ranks), "no collective mismatch failed a rank"
+
+
+def test_abort_reaches_the_rank_that_holds_the_request(served: RunningGateway, http: httpx.Client) -> None:
+    before = [engine_sample(served, "di2", i, "engine_aborted_requests") or 0.0 for i in range(2)]
+    with open_stream(http, "di2", 900) as stream:
+        next(stream)
+        holder = holding_rank(served, "di2")
+    # The client went away mid-stream: the dispatcher aborts the request on its rank's engine, no other.
+    driver = driver_of(served, "di2")
+    assert wait_until(lambda: driver.ranks[holder].outstanding == 0)
+    assert wait_until(
+        lambda: (engine_sample(served, "di2", holder, "engine_aborted_requests") or 0.0) == before[holder] + 1
+    )
+    assert engine_sample(served, "di2", 1 - holder, "engine_aborted_requests") == before[1 - holder]
+
+
+# ---- failure -----------------------------------------------------------------------------------------------------
+
+
+def test_a_killed_rank_restarts_the_whole_group_and_its_requests_fail_cleanly(
+    served: RunningGateway, http: httpx.Client
+) -> None:
+    driver = driver_of(served, "di2")
+    old_pids = [r.pid for r in driver.ranks]
+    with open_stream(http, "di2", 900) as stream:
+        next(stream)
+        victim = driver.ranks[holding_rank(served, "di2")]
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        rest = list(stream)
+    assert rest[-1] == "[DONE]"
+    error = orjson.loads(rest[-2])["error"]
+    assert f"data-parallel rank {victim.index}" in error["message"] or "lockstep group restart" in error["message"]
+    assert wait_until(lambda: all(r.state == "up" for r in driver.ranks), timeout=60)
+    new_pids = [r.pid for r in driver.ranks]
+    assert not set(new_pids) & set(old_pids), "the peer, stuck in a collective, was restarted with the victim"
+    assert chat(http, "di2", "the group is back", 5)["choices"][0]["finish_reason"] == "length"
+
+
+# ---- shutdown ------------------------------------------------------------------------------------------------------
+
+
+def test_shutdown_closes_every_rank_together_and_leaves_no_process(model_dir: Path) -> None:
+    with doubles_for_workers():
+        running = start([backend_config(model_dir, "di2", 2)])
+        driver = driver_of(running, "di2")
+        processes = [r.process for r in driver.ranks]
+        assert all(p is not None for p in processes)
+        assert {p.pid for p in processes if p is not None} <= worker_pids(os.getpid())
+        chat(httpx.Client(base_url=running.base_url, timeout=30), "di2", "one request before stopping", 3)
+        stop_gateway(running)
+    # Exit status 0: every rank left its loop through the stop agreement and returned from DeepInfer's close(),
+    # whose barriers the double checks across ranks (a rank closing alone would have failed with status 1).
+    assert [p.wait(timeout=30) for p in processes if p is not None] == [0, 0]
+    assert not {p.pid for p in processes if p is not None} & worker_pids(os.getpid()), "no worker left behind"
+
+
+# ---- the double's collectives ----------------------------------------------------------------------------------------
+
+_RANK_SCRIPT = """
+import os, sys
+import numpy as np
+from deepinfer.engine.arg_utils import EngineArgs
+from deepinfer.engine.llm_engine import LLMEngine
+rank, scenario, model = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+engine = LLMEngine.from_engine_args(
+    EngineArgs(model=model, max_model_len=64, data_parallel_size=2, engine_rank=rank, gpu_memory_utilization=1.0)
+)
+if rank == 0:
+    engine.add_request(user_id="u", request_id="r", sampling_params={"max_tokens": 2},
+                       prompt_token_ids=np.array([5, 6, 7], dtype=np.int32))
+try:
+    if scenario == "lockstep":
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.close()
+        print("closed", engine.collectives)
+    elif rank == 0:
+        engine.has_unfinished_requests()
+    else:
+        engine.step()  # skipped has_unfinished_requests: a lockstep slip
+except Exception as exc:
+    print(type(exc).__name__, exc)
+    sys.exit(3)
+"""
+
+
+def run_two_ranks(model_dir: Path, scenario: str) -> list[tuple[int, str]]:
+    with doubles_for_workers():
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1"}
+        from backends.deepinfer.ranks import _free_port
+
+        env["MASTER_PORT"] = str(_free_port() + 50)
+        processes = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK_SCRIPT, str(rank), scenario, str(model_dir)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        return [(p.wait(timeout=60), (p.stdout.read() if p.stdout else "")) for p in processes]
+
+
+def test_double_ranks_in_lockstep_reduce_to_the_busy_ranks_answer_and_close_together(model_dir: Path) -> None:
+    results = run_two_ranks(model_dir, "lockstep")
+    assert [code for code, _ in results] == [0, 0], results
+    counts = {out.strip() for _, out in results}
+    assert len(counts) == 1 and next(iter(counts)).startswith("closed "), "both ranks made the same collectives"
+    assert int(next(iter(counts)).split()[1]) > 3, "the idle rank stepped while rank 0 had work"
+
+
+def test_double_fails_every_rank_loudly_when_one_skips_a_collective(model_dir: Path) -> None:
+    results = run_two_ranks(model_dir, "slip")
+    assert [code for code, _ in results] == [3, 3], results
+    for _, out in results:
+        assert "CollectiveError" in out and "ranks are in different collectives" in out
+        assert "LLMEngine.has_unfinished_requests" in out and "LLMEngine.step" in out

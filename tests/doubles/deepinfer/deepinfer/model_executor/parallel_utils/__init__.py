@@ -1,0 +1,1 @@
+"""TEST DOUBLE of ``deepinfer.model_executor.parallel_utils``."""
