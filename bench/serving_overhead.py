@@ -48,7 +48,7 @@ def scrape(base_url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text):
         for sample in family.samples:
-            if sample.name.startswith(("gateway_engine", "gateway_time_to_first_token_seconds_")):
+            if sample.name.startswith(("gateway_engine", "gateway_time_to_first_token_seconds_", "gateway_gc_")):
                 if sample.name.endswith("_bucket"):
                     continue
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
@@ -159,6 +159,8 @@ def main() -> None:
                 / tokens,
                 "server_ttft_ms_mean": 1e3 * grew("gateway_time_to_first_token_seconds_sum") / ttft_count,
                 "client_ttft_ms_p50": 1e3 * statistics.median(level["client_ttfts"]),
+                "gc_collections": grew("gateway_gc_collections_total"),
+                "gc_pause_ms": 1e3 * grew("gateway_gc_pause_seconds_total"),
             }
             results.append(row)
             print(
@@ -166,7 +168,8 @@ def main() -> None:
                 f"frames/cpu-s={row['frames_per_cpu_second']:9.0f}  gateway cpu={row['gateway_cpu_utilisation']:.2f}  "
                 f"engine-thread us/tok={row['engine_thread_us_per_token']:.2f} "
                 f"(step {row['engine_step_us_per_token']:.2f}, driver {row['driver_us_per_token']:.2f})  "
-                f"server ttft={row['server_ttft_ms_mean']:.2f} ms  client ttft p50={row['client_ttft_ms_p50']:.2f} ms",
+                f"server ttft={row['server_ttft_ms_mean']:.2f} ms  client ttft p50={row['client_ttft_ms_p50']:.2f} ms  "
+                f"gc: {row['gc_collections']:.0f} collections, {row['gc_pause_ms']:.1f} ms",
                 flush=True,
             )
     finally:
