@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
+from functools import cache
 
 from tokenizers import Tokenizer, decoders
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-to-unicode table that byte-level BPE vocabularies are written in."""
+@cache
+def byte_level_alphabet() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-to-unicode table that byte-level BPE vocabularies (DeepSeek, Qwen, Llama 3) are
+    written in: vocabulary character -> byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = list(printable)
     extra = 0
@@ -39,7 +42,7 @@ class TokenTable:
         self.bytes_of: list[bytes] = [b""] * size
         self.raw_bytes_of: list[bytes] = [b""] * size
         if self.byte_level:
-            alphabet = _byte_level_alphabet()
+            alphabet = byte_level_alphabet()
             for token, i in tokenizer.get_vocab(with_added_tokens=False).items():
                 self.raw_bytes_of[i] = bytes(alphabet.get(ch, 0) for ch in token)
         else:

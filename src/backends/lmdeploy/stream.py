@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from functools import cache
 from typing import Any, Protocol
 
 import orjson
 
+from backends.engine.detokenizer import byte_level_alphabet
 from backends.engine.stop import StopMatcher
 from backends.errors import UnavailableError, UpstreamError
 from backends.interface import Delta, Finish, TokenLogprob, ToolCallDelta, TopLogprob
@@ -70,26 +70,12 @@ class SSEReader:
                 self._payloads.append(b"\n".join(lines))
 
 
-@cache
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of the byte-level BPE alphabet (GPT-2's bytes_to_unicode), as used by DeepSeek, Qwen and Llama 3."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
 def token_text(token: str, raw: Sequence[int], byte_level: bool) -> tuple[str, list[int]]:
     """LMDeploy reports vocabulary entries (``Ġworld``) with the UTF-8 bytes of that spelling; OpenAI reports the
     text (`` world``) and its bytes. Undone for byte-level BPE vocabularies; other vocabularies pass unchanged."""
     if not byte_level:
         return token, list(raw)
-    decoder = _byte_decoder()
+    decoder = byte_level_alphabet()
     try:
         data = bytes([decoder[c] for c in token])
     except KeyError:

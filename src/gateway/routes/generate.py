@@ -15,6 +15,7 @@ from gateway.errors import APIError
 from gateway.metrics import RequestObserver
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.responses import ChatFormat, CompletionFormat
+from gateway.routing.stream import RoutedStream
 from gateway.state import GatewayState, gateway_state
 from gateway.streaming import Timeouts, merge_prompts, stream_response, whole_response
 
@@ -57,6 +58,36 @@ def _served_by(
     return switch
 
 
+async def _respond(
+    request: Request,
+    state: GatewayState,
+    events: RoutedStream,
+    make_format: Callable[[str], ChatFormat | CompletionFormat],
+    *,
+    model: str,
+    label: str,
+    limit_headers: dict[str, str],
+    stream: bool,
+    include_usage: bool,
+    want_logprobs: bool,
+) -> Response:
+    """Observes, labels and sends the routed event stream as SSE or as one response."""
+    backend = events.backend
+    fmt = make_format(_fingerprint(backend))
+    observer = state.metrics.observer(model, backend.name, request.state.log)
+    observer.on_finish = functools.partial(state.limits.charge, label)  # type: ignore[union-attr]
+    headers = {"X-Backend": backend.name, **limit_headers}
+    events.served_by = _served_by(fmt, observer, headers)
+    timeouts = _timeouts(state)
+    if stream:
+        return await stream_response(
+            request, events, fmt, observer, include_usage=include_usage, headers=headers, timeouts=timeouts
+        )
+    return await whole_response(
+        request, events, fmt, observer, want_logprobs=want_logprobs, headers=headers, timeouts=timeouts
+    )
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = gateway_state(request)
@@ -87,19 +118,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         chat_template_kwargs=body.chat_template_kwargs,
     )
     events = state.router.route(body.model, generate, request.headers, lambda b: b.generate(generate))
-    backend = events.backend
-    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, _fingerprint(backend), body.n)
-    observer = state.metrics.observer(body.model, backend.name, request.state.log)
-    observer.on_finish = functools.partial(state.limits.charge, label)  # type: ignore[union-attr]
-    headers = {"X-Backend": backend.name, **limit_headers}
-    events.served_by = _served_by(fmt, observer, headers)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream_response(
-            request, events, fmt, observer, include_usage=include_usage, headers=headers, timeouts=_timeouts(state)
-        )
-    return await whole_response(
-        request, events, fmt, observer, want_logprobs=body.logprobs, headers=headers, timeouts=_timeouts(state)
+    return await _respond(
+        request,
+        state,
+        events,
+        lambda fingerprint: ChatFormat(
+            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, fingerprint, body.n
+        ),
+        model=body.model,
+        label=label,
+        limit_headers=limit_headers,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        want_logprobs=body.logprobs,
     )
 
 
@@ -135,19 +166,18 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return streams[0] if len(streams) == 1 else merge_prompts(streams, body.n)
 
     events = state.router.route(body.model, requests[0], request.headers, open_events)
-    backend = events.backend
     choices = len(prompts) * body.n
-    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, _fingerprint(backend), choices)
-    observer = state.metrics.observer(body.model, backend.name, request.state.log)
-    observer.on_finish = functools.partial(state.limits.charge, label)  # type: ignore[union-attr]
-    headers = {"X-Backend": backend.name, **limit_headers}
-    events.served_by = _served_by(fmt, observer, headers)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream_response(
-            request, events, fmt, observer, include_usage=include_usage, headers=headers, timeouts=_timeouts(state)
-        )
-    want_logprobs = body.logprobs is not None
-    return await whole_response(
-        request, events, fmt, observer, want_logprobs=want_logprobs, headers=headers, timeouts=_timeouts(state)
+    return await _respond(
+        request,
+        state,
+        events,
+        lambda fingerprint: CompletionFormat(
+            f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, fingerprint, choices
+        ),
+        model=body.model,
+        label=label,
+        limit_headers=limit_headers,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        want_logprobs=body.logprobs is not None,
     )
