@@ -1,0 +1,75 @@
+"""Faults of an HTTP upstream (LMDeploy's real api_server in the test harness): killed mid-stream, or hanging.
+
+The client always gets a clean OpenAI error, the gateway stays up, and hung upstream work is cancelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from gateway.config import GatewayConfig
+
+from ..backends.lmdeploy.harness.server import API_KEY, MODEL_NAME, HarnessNode, make_node
+from ..conftest import RunningGateway, start_gateway, stop_gateway, wait_until
+
+MODEL = "upstream"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HarnessNode]:
+    workdir: Path = tmp_path_factory.mktemp("upstream-faults")
+    started = make_node(workdir, "faults", "--model-name", MODEL_NAME, "--api-keys", API_KEY).start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def fronted(node: HarnessNode) -> Iterator[RunningGateway]:
+    config = GatewayConfig(
+        backends=[{"name": "lm", "kind": "lmdeploy", "urls": [node.url], "api_key": API_KEY, "max_model_len": 512}],
+        models=[{"name": MODEL, "backends": ["lm"], "circuit_breaker": {"failure_threshold": 1000}}],
+    )
+    config.server.idle_timeout = 1.0
+    running = start_gateway(config)
+    yield running
+    stop_gateway(running)
+
+
+def _chat(content: str, **fields: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 64, **fields}
+
+
+def test_hanging_upstream_gets_a_504_and_its_request_is_cancelled(fronted: RunningGateway, node: HarnessNode) -> None:
+    response = httpx.post(
+        f"{fronted.base_url}/v1/chat/completions", json=_chat("a b c [[stub first_delay=60 tag=hang]]"), timeout=30
+    )
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "timeout"
+    assert wait_until(lambda: node.events(event="cancel", tag="hang"), timeout=15)
+
+
+def test_upstream_killed_mid_stream_ends_the_stream_with_an_error_frame_and_the_gateway_stays_up(
+    fronted: RunningGateway, node: HarnessNode
+) -> None:
+    body = _chat("one two three four five six seven eight nine ten [[stub delay=0.3 tag=killed]]", stream=True)
+    frames: list[str] = []
+    with httpx.stream("POST", f"{fronted.base_url}/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                frames.append(line[6:])
+                if len(frames) == 2:
+                    node.kill()
+    assert frames[-1] == "[DONE]"
+    error = orjson.loads(frames[-2])["error"]
+    assert error["type"] == "server_error" and error["message"]
+    assert httpx.get(f"{fronted.base_url}/health").status_code == 200
+    node.start()  # the node comes back on its port; the backend takes it in again
+    assert wait_until(lambda: httpx.get(f"{fronted.base_url}/ready").status_code == 200, timeout=60)
+    again = httpx.post(f"{fronted.base_url}/v1/chat/completions", json=_chat("hello there"), timeout=30)
+    assert again.status_code == 200
