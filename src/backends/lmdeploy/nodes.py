@@ -1,8 +1,9 @@
 """The LMDeploy nodes of one backend: which are healthy, which one takes the next request, what each has done.
 
 Health is active and passive. Every ``health_interval`` each node's ``GET /health`` is probed (it needs no API
-key); 200 with status ``healthy`` is in, anything else is out (``sleeping`` answers 200 but refuses inference;
-LMDeploy caches the status for about 12 s, so an engine failure may show late, a dead process at once). Between
+key); 200 is in unless its status is ``sleeping`` (LMDeploy answers 200 while asleep but refuses inference;
+other OpenAI-compatible servers answer 200 with another body, e.g. ``{"status": "ok"}``), anything else is out.
+LMDeploy caches the status for about 12 s, so an engine failure may show late, a dead process at once. Between
 probes, requests count failures: a refused connection takes the node out at once, ``failure_threshold``
 consecutive failures of other kinds too. A node that is out comes back at its next good probe.
 """
@@ -141,7 +142,7 @@ class NodePool:
             async with self._session.get(f"{node.url}/health", timeout=self._probe_timeout) as response:
                 body = await response.read()
             status = _health_status(body)
-            if response.status != 200 or status != "healthy":
+            if response.status != 200 or status == "sleeping":
                 self._mark_out(node, f"/health answered HTTP {response.status} {status or body[:100]!r}")
                 return
             if self._discover and node.model is None:
