@@ -346,7 +346,9 @@ def print_cell(stream: bool, concurrency: int, summary: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--upstream", default="reference", help="reference, fake, or the URL of a running server")
+    parser.add_argument(
+        "--upstream", default="fake", help="fake (LMDeploy-like, near free), reference, or the URL of a running server"
+    )
     parser.add_argument("--upstream-model", default=None, help="model name at a URL upstream (default: its first)")
     parser.add_argument("--pace-ms", type=float, default=0.0, help="fake upstream: milliseconds between chunks")
     parser.add_argument("--concurrency", default="1,64")
