@@ -189,7 +189,19 @@ class _BackendCollector(Collector):
         running = GaugeMetricFamily(
             "gateway_engine_requests", "Requests registered with the engine driver.", labels=["backend"]
         )
+        admitted = GaugeMetricFamily(
+            "gateway_admission_in_flight", "Requests holding an admission slot.", labels=["backend"]
+        )
+        queued = GaugeMetricFamily("gateway_admission_queued", "Requests waiting for a slot.", labels=["backend"])
+        rejected = CounterMetricFamily(
+            "gateway_admission_rejected", "Requests refused with 503 (queue full or wait too long).", labels=["backend"]
+        )
         for backend in self._backends:
+            gate = getattr(backend, "gate", None)
+            if gate is not None:
+                admitted.add_metric([backend.name], gate.in_flight)
+                queued.add_metric([backend.name], gate.queued)
+                rejected.add_metric([backend.name], gate.rejected)
             ready.add_metric([backend.name], 1.0 if backend.readiness()[0] else 0.0)
             driver = getattr(backend, "driver", None)
             if driver is not None:
@@ -198,7 +210,7 @@ class _BackendCollector(Collector):
                 busy.add_metric([backend.name], driver.stats.busy_seconds)
                 inside.add_metric([backend.name], driver.stats.engine_seconds)
                 running.add_metric([backend.name], driver.in_flight)
-        yield from (ready, steps, tokens, busy, inside, running)
+        yield from (ready, steps, tokens, busy, inside, running, admitted, queued, rejected)
         yield from self._engine_samples()
         yield from self._backend_families()
 

@@ -56,6 +56,9 @@ def test_saturated_backend_answers_503_with_retry_after_and_never_queues_unbound
     assert int(rejected.headers["retry-after"]) >= 1
     assert queued.status_code == 503, "the queued request waited its queue_timeout (0.5 s) and was then refused"
     assert wait_until(lambda: narrow.engine_unfinished() == 0)
+    metrics = httpx.get(f"{narrow.base_url}/metrics").text
+    assert 'gateway_admission_rejected_total{backend="reference"} 2.0' in metrics
+    assert 'gateway_admission_queued{backend="reference"} 0.0' in metrics
 
 
 @pytest.fixture(scope="module")
