@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -13,6 +14,7 @@ import openai
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from hypothesis import settings
 
 from backends.interface import Backend
 from gateway.app import create_app
@@ -20,6 +22,12 @@ from gateway.config import GatewayConfig
 from gateway.state import GatewayState
 
 from .conformance import OpenAISchemas
+
+# CI runs the property and fuzz tests with a fixed seed, so a red CI always means a reproducible failure;
+# local runs keep exploring new examples (and keep them in the example database).
+settings.register_profile("ci", derandomize=True, database=None, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 MODEL = "deepinfer-reference"
 TINY_MODEL = "tiny-context"
