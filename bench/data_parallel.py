@@ -21,11 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,22 +30,9 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from _gateway import cpu_seconds, serve_gateway
+
 MODEL = "bench-dp"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of one process (all its threads), from /proc; 0 if it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def children(pid: int) -> list[int]:
@@ -86,30 +69,14 @@ def start_gateway(layout: str, args: argparse.Namespace) -> tuple[subprocess.Pop
         backend["data_parallel_size"] = int(layout)
         backend["worker_processes"] = True
         backend["lockstep"] = args.lockstep
-    port = free_port()
-    config = Path(tempfile.mkdtemp()) / "bench.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "server": {"access_log": False},
-                "backends": [backend],
-                "models": [{"name": MODEL, "backends": ["reference"]}],
-            }
-        )
+    return serve_gateway(
+        {
+            "server": {"access_log": False},
+            "backends": [backend],
+            "models": [{"name": MODEL, "backends": ["reference"]}],
+        },
+        label=f"gateway ({layout})",
     )
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
-                return process, base_url, config
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit(f"gateway ({layout}) did not become ready")
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, number: int, max_tokens: int) -> int:

@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,14 +44,10 @@ import orjson
 from gateway.bench.client import RequestRecord, plain_request, stream_request
 from gateway.bench.loadgen import run_event_loop
 
+from _gateway import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Describe what the module does with its files, in a few words."
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cache_dir() -> Path:

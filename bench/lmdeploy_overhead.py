@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,9 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.backends.lmdeploy.harness.server import API_KEY, MODEL_NAME, free_port, make_node  # noqa: E402
+from tests.backends.lmdeploy.harness.server import API_KEY, MODEL_NAME, make_node  # noqa: E402
+
+from _gateway import cpu_seconds, serve_gateway  # noqa: E402
 
 PUBLIC_MODEL = "bench-lmdeploy"
 # 32 echoed tokens at 5 ms per engine step: a short, steady stream that keeps 64 clients busy at once.
@@ -44,45 +45,24 @@ CONTENT = "one two three four five six seven eight nine ten " * 3 + "[[stub dela
 
 
 def start_gateway(node_url: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    config = Path(tempfile.mkdtemp()) / "lmdeploy-bench.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "server": {"access_log": False, "log_level": "warning"},
-                "backends": [
-                    {
-                        "name": "lm",
-                        "kind": "lmdeploy",
-                        "urls": [node_url],
-                        "api_key": API_KEY,
-                        "max_model_len": 4096,
-                        "max_connections": 256,
-                    }
-                ],
-                "models": [{"name": PUBLIC_MODEL, "backends": ["lm"]}],
-            }
-        )
+    process, base_url, _ = serve_gateway(
+        {
+            "server": {"access_log": False, "log_level": "warning"},
+            "backends": [
+                {
+                    "name": "lm",
+                    "kind": "lmdeploy",
+                    "urls": [node_url],
+                    "api_key": API_KEY,
+                    "max_model_len": 4096,
+                    "max_connections": 256,
+                }
+            ],
+            "models": [{"name": PUBLIC_MODEL, "backends": ["lm"]}],
+        },
+        timeout=120,
     )
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
-                return process, base_url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("the gateway did not become ready")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return process, base_url
 
 
 def connections_created(base_url: str) -> float:

@@ -16,12 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,19 +25,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from _gateway import cpu_seconds, serve_gateway
+
 MODEL = "bench-reference"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def scrape(base_url: str) -> dict[str, float]:
@@ -56,30 +42,13 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def start_gateway(max_num_seqs: int) -> tuple[subprocess.Popen[bytes], str, Path]:
-    port = free_port()
-    config = Path(tempfile.mkdtemp()) / "bench.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "server": {"access_log": True},
-                "backends": [{"name": "reference", "kind": "reference", "max_num_seqs": max_num_seqs}],
-                "models": [{"name": MODEL, "backends": ["reference"]}],
-            }
-        )
+    return serve_gateway(
+        {
+            "server": {"access_log": True},
+            "backends": [{"name": "reference", "kind": "reference", "max_num_seqs": max_num_seqs}],
+            "models": [{"name": MODEL, "backends": ["reference"]}],
+        }
     )
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
-                return process, base_url, config
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit("gateway did not become ready")
 
 
 async def stream_one(client: httpx.AsyncClient, max_tokens: int) -> tuple[int, float]:

@@ -14,10 +14,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +21,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from _gateway import serve_gateway
+
 MODEL = "soak-reference"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:
@@ -101,34 +93,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
     args = parser.parse_args()
 
-    port = free_port()
-    config = Path(tempfile.mkdtemp()) / "soak.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "server": {"access_log": False},
-                "backends": [
-                    {
-                        "name": "reference",
-                        "kind": "reference",
-                        "timing": {"decode_seconds_per_step": args.decode_seconds_per_step},
-                    }
-                ],
-                "models": [{"name": MODEL, "backends": ["reference"]}],
-            }
-        )
+    process, base_url, config = serve_gateway(
+        {
+            "server": {"access_log": False},
+            "backends": [
+                {
+                    "name": "reference",
+                    "kind": "reference",
+                    "timing": {"decode_seconds_per_step": args.decode_seconds_per_step},
+                }
+            ],
+            "models": [{"name": MODEL, "backends": ["reference"]}],
+        }
     )
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         samples: list[dict[str, float]] = [{"t": 0.0, "rss_mib": rss_mib(process.pid)}]
         started = time.monotonic()
 
@@ -152,6 +130,7 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(timeout=60)
+        config.unlink(missing_ok=True)
     report = {
         "duration": args.duration,
         "concurrency": args.concurrency,

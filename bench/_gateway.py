@@ -1,0 +1,57 @@
+"""What the benchmark scripts share: a free loopback port, a process's CPU time, and a gateway to measure.
+
+The scripts run as ``python bench/NAME.py``, so this module is importable as ``_gateway``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process (all its threads), from /proc; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serve_gateway(
+    config: dict[str, Any], *, label: str = "gateway", timeout: float = 180.0
+) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """Starts ``deepinfer-gateway serve`` with ``config`` on a free port and waits until ``/ready`` is 200.
+
+    Returns the process, its base URL and the config file (the caller removes it)."""
+    port = free_port()
+    path = Path(tempfile.mkdtemp()) / "bench.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
+                return process, base_url, path
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise SystemExit(f"{label} did not become ready in {timeout:.0f} s")
