@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from backends.errors import BackendError, BackendTimeoutError
 from backends.interface import Delta, Event, Finish, PromptEcho, Usage
+from backends.streams import interleave
 from gateway.errors import api_error_from_backend, error_payload
 from gateway.metrics import RequestObserver
 from gateway.openai.responses import DONE_FRAME, sse_frame
@@ -240,35 +241,11 @@ def _observe_failure(observer: RequestObserver, exc: BaseException) -> None:
 async def merge_prompts(streams: list[AsyncIterator[Event]], n: int) -> AsyncIterator[Event]:
     """Runs one event stream per prompt concurrently, renumbering choices ``prompt_index * n + i`` and
     adding the usages up, as OpenAI does for a list of prompts."""
-    queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[Event]) -> None:
-        try:
-            async for event in stream:
-                queue.put_nowait((index, event))
-        except BackendError as exc:
-            queue.put_nowait((index, exc))
+    prompt_tokens = completion_tokens = 0
+    async for index, event in interleave(streams):
+        if isinstance(event, Usage):
+            prompt_tokens += event.prompt_tokens
+            completion_tokens += event.completion_tokens
         else:
-            queue.put_nowait((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining, prompt_tokens, completion_tokens = len(streams), 0, 0
-        while remaining:
-            index, event = await queue.get()
-            if event is None:
-                remaining -= 1
-            elif isinstance(event, BaseException):
-                raise event
-            elif isinstance(event, Usage):
-                prompt_tokens += event.prompt_tokens
-                completion_tokens += event.completion_tokens
-            else:
-                yield event._replace(index=index * n + event.index)
-        yield Usage(prompt_tokens, completion_tokens)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()  # type: ignore[attr-defined]
+            yield event._replace(index=index * n + event.index)
+    yield Usage(prompt_tokens, completion_tokens)

@@ -31,6 +31,7 @@ from backends.lmdeploy.errors import UpstreamFailure, failure_from_status, node_
 from backends.lmdeploy.nodes import Node, NodePool
 from backends.lmdeploy.stream import DONE, ChoiceStream, SSEReader
 from backends.lmdeploy.translate import SUPPORTED_FEATURES, SUPPORTED_SAMPLING, UpstreamPlan, plan_request
+from backends.streams import interleave
 
 logger = logging.getLogger(__name__)
 
@@ -204,35 +205,8 @@ class LMDeployBackend:
         self, request: GenerateRequest, plan: UpstreamPlan, model: str | None, progress: _Progress
     ) -> AsyncIterator[Delta | Finish | _ChoiceDone]:
         """Runs the n choices concurrently (one upstream request each) and interleaves their events."""
-        queue: asyncio.Queue[Delta | Finish | _ChoiceDone | BaseException | None] = asyncio.Queue()
-        streams = [self._choice(request, plan, i, model, progress) for i in range(request.n)]
-
-        async def pump(stream: AsyncIterator[Delta | Finish | _ChoiceDone]) -> None:
-            try:
-                async for event in stream:
-                    queue.put_nowait(event)
-            except Exception as exc:
-                queue.put_nowait(exc)
-            else:
-                queue.put_nowait(None)
-
-        tasks = [asyncio.create_task(pump(s)) for s in streams]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for stream in streams:
-                await stream.aclose()  # type: ignore[attr-defined]
+        async for _, event in interleave([self._choice(request, plan, i, model, progress) for i in range(request.n)]):
+            yield event
 
     async def _choice(
         self, request: GenerateRequest, plan: UpstreamPlan, index: int, model: str | None, progress: _Progress

@@ -1,0 +1,45 @@
+"""Running several event streams at once (n choices, several prompts) as one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def interleave(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Yields ``(stream index, item)`` as items arrive from streams running concurrently.
+
+    The first error of any stream is raised here; however the merged stream ends, every stream is cancelled and
+    closed, so their cleanup (aborting engine or upstream work) always runs.
+    """
+    queue: asyncio.Queue[tuple[int, T | None, Exception | None, bool]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item, None, False))
+        except Exception as exc:
+            queue.put_nowait((index, None, exc, True))
+        else:
+            queue.put_nowait((index, None, None, True))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error, ended = await queue.get()
+            if error is not None:
+                raise error
+            if ended:
+                remaining -= 1
+            else:
+                yield index, item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,51 @@
+"""interleave: several streams as one, and every stream closed however the merged one ends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from backends.streams import interleave
+
+
+class Tracked:
+    """An async stream that records whether its cleanup ran."""
+
+    def __init__(self, items: list[int], fail_after: int | None = None, delay: float = 0.0) -> None:
+        self.items, self.fail_after, self.delay, self.closed = items, fail_after, delay, False
+
+    async def run(self) -> AsyncIterator[int]:
+        try:
+            for count, item in enumerate(self.items):
+                if self.fail_after is not None and count == self.fail_after:
+                    raise ValueError("stream failed")
+                await asyncio.sleep(self.delay)
+                yield item
+        finally:
+            self.closed = True
+
+
+async def test_items_of_every_stream_arrive_tagged_with_their_stream() -> None:
+    a, b = Tracked([1, 2, 3]), Tracked([10, 20])
+    got = [pair async for pair in interleave([a.run(), b.run()])]
+    assert sorted(got) == [(0, 1), (0, 2), (0, 3), (1, 10), (1, 20)]
+    assert [item for index, item in got if index == 0] == [1, 2, 3], "order within a stream is kept"
+    assert a.closed and b.closed
+
+
+async def test_an_error_in_one_stream_is_raised_and_the_others_are_closed() -> None:
+    failing, slow = Tracked([1, 2, 3], fail_after=1), Tracked(list(range(100)), delay=0.01)
+    with pytest.raises(ValueError, match="stream failed"):
+        async for _ in interleave([failing.run(), slow.run()]):
+            pass
+    assert slow.closed
+
+
+async def test_closing_the_merged_stream_early_closes_every_stream() -> None:
+    a, b = Tracked(list(range(100)), delay=0.01), Tracked(list(range(100)), delay=0.01)
+    merged = interleave([a.run(), b.run()])
+    await anext(merged)
+    await merged.aclose()
+    assert a.closed and b.closed
