@@ -24,12 +24,11 @@ import orjson
 import pytest
 
 from backends.registry import build_backend
-from backends.workers.driver import DataParallelDriver
 from gateway.admission import admitted
 from gateway.config import GatewayConfig
 
 from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
-from ..workers.conftest import worker_pids
+from ..workers.conftest import chat, driver_of, holding_rank, open_stream, steps, worker_pids
 from .conftest import DOUBLE_DIR, deepinfer_on_path
 
 TORCH_DOUBLE_DIR = DOUBLE_DIR.parent / "torch"
@@ -87,41 +86,6 @@ def served(model_dir: Path) -> Iterator[RunningGateway]:
 def http(served: RunningGateway) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=served.base_url, timeout=60) as client:
         yield client
-
-
-def driver_of(gateway: RunningGateway, backend: str) -> DataParallelDriver:
-    return gateway.state.backends[backend].driver  # type: ignore[attr-defined,no-any-return]
-
-
-def chat(http: httpx.Client, model: str, text: str, max_tokens: int) -> dict[str, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
-    response = http.post("/v1/chat/completions", json={**body, "ignore_eos": True})
-    assert response.status_code == 200, response.text
-    return response.json()  # type: ignore[no-any-return]
-
-
-@contextlib.contextmanager
-def open_stream(http: httpx.Client, model: str, max_tokens: int) -> Iterator[Iterator[str]]:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Tell me about files."}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        assert response.status_code == 200
-        yield (line[6:] for line in response.iter_lines() if line.startswith("data: "))
-
-
-def holding_rank(gateway: RunningGateway, backend: str) -> int:
-    driver = driver_of(gateway, backend)
-    assert wait_until(lambda: sum(r.outstanding for r in driver.ranks) == 1)
-    return next(r.index for r in driver.ranks if r.outstanding == 1)
-
-
-def steps(gateway: RunningGateway, backend: str) -> list[int]:
-    return [rank.totals().steps for rank in driver_of(gateway, backend).ranks]
 
 
 def engine_sample(gateway: RunningGateway, backend: str, rank: int, name: str) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -13,7 +14,7 @@ from backends.workers.driver import DataParallelDriver
 from gateway.admission import admitted
 from gateway.config import GatewayConfig
 
-from ...conftest import RunningGateway, start_gateway, stop_gateway
+from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
 
 STEP = {"decode_seconds_per_step": 0.01}  # requests last long enough to overlap, and tests stay fast
 RESTART_BACKOFF = 3.0
@@ -69,3 +70,45 @@ def worker_pids(parent: int) -> set[int]:
         if ppid == parent and state != "Z" and b"backends.workers.worker" in cmdline:
             pids.add(int(entry.name))
     return pids
+
+
+# ---- helpers the data-parallel tests share (workers here, the deepinfer kind in tests/backends/deepinfer) ----
+
+
+def chat(http: httpx.Client, model: str, text: str, max_tokens: int, **extra: object) -> dict:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+@contextmanager
+def open_stream(http: httpx.Client, model: str, max_tokens: int) -> Iterator[Iterator[str]]:
+    """A streaming chat request that generates ``max_tokens`` tokens; yields its SSE data payloads."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me about files."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        yield (line[6:] for line in response.iter_lines() if line.startswith("data: "))
+
+
+def holding_rank(gateway: RunningGateway, backend: str) -> int:
+    """The one rank that holds a request (waits for the dispatcher to have sent it)."""
+    driver = driver_of(gateway, backend)
+    assert wait_until(lambda: sum(r.outstanding for r in driver.ranks) == 1)
+    return next(r.index for r in driver.ranks if r.outstanding == 1)
+
+
+def steps(gateway: RunningGateway, backend: str) -> list[int]:
+    return [rank.totals().steps for rank in driver_of(gateway, backend).ranks]

@@ -10,48 +10,18 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import numpy as np
 import orjson
 
 from ...conftest import RunningGateway, wait_until
-from .conftest import driver_of
-
-
-def chat(http: httpx.Client, model: str, text: str, max_tokens: int, **extra: object) -> dict:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        **extra,
-    }
-    response = http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()  # type: ignore[no-any-return]
+from .conftest import chat, driver_of, holding_rank, open_stream, steps
 
 
 def complete_ids(http: httpx.Client, model: str, ids: list[int]) -> None:
     response = http.post("/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 2})
     assert response.status_code == 200, response.text
-
-
-@contextmanager
-def open_stream(http: httpx.Client, model: str, max_tokens: int) -> Iterator[Iterator[str]]:
-    """A streaming chat request that generates ``max_tokens`` tokens; yields its SSE data payloads."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Tell me about files."}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        assert response.status_code == 200
-        yield (line[6:] for line in response.iter_lines() if line.startswith("data: "))
 
 
 def dispatched(gateway: RunningGateway, backend: str) -> list[int]:
@@ -60,17 +30,6 @@ def dispatched(gateway: RunningGateway, backend: str) -> list[int]:
 
 def delta(after: list[int], before: list[int]) -> list[int]:
     return [a - b for a, b in zip(after, before, strict=True)]
-
-
-def holding_rank(gateway: RunningGateway, backend: str) -> int:
-    """The one rank that holds a request (waits for the dispatcher to have sent it)."""
-    driver = driver_of(gateway, backend)
-    assert wait_until(lambda: sum(r.outstanding for r in driver.ranks) == 1)
-    return next(r.index for r in driver.ranks if r.outstanding == 1)
-
-
-def steps(gateway: RunningGateway, backend: str) -> list[int]:
-    return [rank.totals().steps for rank in driver_of(gateway, backend).ranks]
 
 
 # ---- spreading load ----------------------------------------------------------------------------------------------
