@@ -384,3 +384,54 @@ def test_autoscaler_targets_the_gateway_on_a_metric_the_gateway_exports_and_the_
 
     exported = {family.name for family in GatewayMetrics().registry.collect()}
     assert name in exported, f"the gateway exports no {name}"
+
+
+# --- One DeepInfer node: one pod owns a node's GPUs ----------------------------------------------------------------
+
+DEEPINFER_NODE_DIR = KUBERNETES_DIR / "deepinfer-node"
+
+
+def _node_resource(kind: str) -> dict[str, Any]:
+    for path in sorted(DEEPINFER_NODE_DIR.glob("*.yaml")):
+        for item in load_resources(path):
+            if item.get("kind") == kind:
+                return item
+    raise AssertionError(f"no {kind} in {DEEPINFER_NODE_DIR}")
+
+
+@pytest.mark.usefixtures("no_network")
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_deepinfer_node_manifests_validate_strictly_offline(version: str) -> None:
+    kustomization = yaml.safe_load((DEEPINFER_NODE_DIR / "kustomization.yaml").read_text())
+    shipped = sorted(p.name for p in DEEPINFER_NODE_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(kustomization["resources"]) == shipped
+    for name in shipped:
+        for item in load_resources(DEEPINFER_NODE_DIR / name):
+            kubernetes_validate.validate(item, version, strict=True)
+
+
+def test_deepinfer_node_configmap_is_the_deepinfer_config() -> None:
+    data = _node_resource("ConfigMap")["data"]["config.yaml"]
+    assert yaml.safe_load(data) == yaml.safe_load((CONFIG_DIR / "deepinfer.yaml").read_text()), "drifted"
+
+
+def test_deepinfer_node_pod_owns_every_gpu_its_engine_uses_with_shared_memory_and_room_to_drain() -> None:
+    deployment = _node_resource("Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (backend,) = load_config(CONFIG_DIR / "deepinfer.yaml").backends
+    gpus = backend.context_parallel_size * backend.data_parallel_size
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == gpus
+    assert deployment["spec"]["strategy"]["type"] == "Recreate", "two engines never share a node's GPUs"
+    (rule,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert rule["topologyKey"] == "kubernetes.io/hostname"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+    models = next(m for m in container["volumeMounts"] if backend.model.startswith(m["mountPath"] + "/"))
+    assert models["readOnly"] is True
+    env = {e["name"]: e["value"] for e in container["env"]}
+    drain = float(env["GATEWAY_SERVER__DRAIN_SECONDS"])
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pod["terminationGracePeriodSeconds"] > drain + pre_stop
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
