@@ -12,6 +12,7 @@ from gateway.config import GatewayConfig
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.router import ModelRouter
+from gateway.state_store import SharedStateStore
 
 
 @dataclass
@@ -23,6 +24,8 @@ class GatewayState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     start_errors: dict[str, str] = field(default_factory=dict)
     limits: KeyLimits | None = None
+    store: SharedStateStore | None = None
+    """The shared state store (``server.state_store``), if one is configured."""
     draining: bool = False
     """Set on SIGTERM: /ready turns 503 and new generation requests are refused while in-flight ones finish."""
 
