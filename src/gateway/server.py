@@ -7,9 +7,11 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -19,6 +21,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.logs import configure_logging
+from gateway.metrics import MULTIPROCESS_DIR_ENV
 
 logger = logging.getLogger(__name__)
 _spawn = multiprocessing.get_context("spawn")
@@ -98,6 +101,17 @@ class FrontEndSupervisor:
 
     def run(self) -> None:
         configure_logging(self.settings.server.log_level)
+        # Request metrics of every process go to files here, so a scrape answered by any process sums them all.
+        metrics_dir = tempfile.mkdtemp(prefix="deepinfer-gateway-metrics-")
+        os.environ[MULTIPROCESS_DIR_ENV] = metrics_dir
+        try:
+            self._supervise()
+        finally:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+    def _supervise(self) -> None:
+        from prometheus_client import multiprocess
+
         sock = self._bind()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
@@ -112,6 +126,7 @@ class FrontEndSupervisor:
                 if worker.exitcode is None or self.stopping:
                     continue
                 logger.warning("front-end process %s exited with %s; starting another", worker.pid, worker.exitcode)
+                multiprocess.mark_process_dead(worker.pid)  # its in-flight gauge no longer counts; counters stay
                 time.sleep(RESTART_PAUSE_SECONDS)  # a process that cannot start must not spin the host
                 self.workers[position] = self._start(sock)
         sock.close()

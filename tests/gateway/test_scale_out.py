@@ -227,6 +227,9 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
             ]
             elapsed = time.monotonic() - started
             assert 6 <= statuses.count(200) <= 6 + int(elapsed // 10), statuses
+            # whichever process answers the scrape, the request counter sums both
+            for _ in range(4):
+                assert _served(httpx.get(f"{base}/metrics").text) == statuses.count(200)
 
             victim = sorted(workers)[0]
             os.kill(victim, signal.SIGKILL)
@@ -251,3 +254,12 @@ def _ready(base: str) -> bool:
         return httpx.get(f"{base}/ready", timeout=5).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _served(exposition: str) -> float:
+    """Requests counted with status 200, over every model and backend."""
+    total = 0.0
+    for line in exposition.splitlines():
+        if line.startswith("gateway_requests_total{") and 'status="200"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
