@@ -31,9 +31,13 @@ logger = logging.getLogger(__name__)
 GC_GEN0_THRESHOLD = 10_000
 
 
-def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = None) -> FastAPI:
+def create_app(
+    config: GatewayConfig, backends: Mapping[str, Backend] | None = None, *, serve_once_started: bool = False
+) -> FastAPI:
     """Builds the app. Backends start in the background so ``/health`` answers at once and ``/ready`` tells
-    when they are up (a DeepInfer engine can take minutes)."""
+    when they are up (a DeepInfer engine can take minutes). With ``serve_once_started`` (one of several front-end
+    processes on a shared socket) the app takes no connection before its backends have started, so a process
+    that is still starting never takes requests its siblings could serve."""
     start_errors: dict[str, str] = {}
     if backends is None:
         built: dict[str, Backend] = {}
@@ -64,6 +68,8 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.watch_gc()
         starting = asyncio.create_task(_start_backends(state))
+        if serve_once_started:
+            await asyncio.shield(starting)
         if config.server.gc_tuning:
             starting.add_done_callback(_freeze_gc)
         watching = asyncio.create_task(store.watch()) if store is not None else None
