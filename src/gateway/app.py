@@ -83,6 +83,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
         max_body_bytes=config.server.max_body_bytes,
         access_log=config.server.access_log,
         draining=lambda: state.draining,
+        metrics=metrics,
     )
     return app
 
