@@ -226,13 +226,18 @@ class _Sampling(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def top_k_value(self) -> int | None:
+        if self.top_p == 0:
+            return 1  # nucleus of mass 0: the most likely token alone (engines take top_p in (0, 1] only)
         return None if self.top_k in (None, 0, -1) else self.top_k
+
+    def top_p_value(self) -> float | None:
+        return None if self.top_p == 0 else self.top_p
 
     def sampling_options(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingOptions:
         return SamplingOptions(
             max_tokens=max_tokens,
             temperature=self.temperature,
-            top_p=self.top_p,
+            top_p=self.top_p_value(),
             top_k=self.top_k_value(),
             seed=self.seed,
             stop=self.stop_list(),
