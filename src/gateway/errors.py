@@ -123,21 +123,34 @@ def _join(choices: list[str]) -> str:
     return choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
 
 
-def _param_path(loc: tuple[int | str, ...], body: object, *, missing: bool = False) -> str:
-    """The dotted path of a pydantic error location (``messages[2].content[0].type``), found by walking the
-    request body: location parts that are not keys or indexes of the body are pydantic's union-branch labels
-    (``str``, ``list[str]``, ``function-after[...]``) and are dropped, whatever the field names look like."""
-    out = ""
+def _param_parts(loc: tuple[int | str, ...], body: object, *, missing: bool = False) -> list[int | str]:
+    """The parts of a pydantic error location that name keys and indexes of the request body. Parts that do not
+    are pydantic's union-branch labels (``str``, ``list[str]``, ``function-after[...]``) and are dropped, whatever
+    the field names look like (``stream``, ``strawberry``)."""
+    parts: list[int | str] = []
     node = body
     for i, part in enumerate(loc):
         last = i == len(loc) - 1
         if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
-            out += f"[{part}]"
+            parts.append(part)
             node = node[part]
         elif isinstance(part, str) and isinstance(node, dict) and (part in node or (missing and last)):
-            out += f".{part}" if out else part
+            parts.append(part)
             node = node.get(part)
+    return parts
+
+
+def _dotted(parts: list[int | str]) -> str:
+    """``messages[2].content[0].type``"""
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
     return out
+
+
+def _progress(parts: list[int | str]) -> tuple[int, tuple[int, ...]]:
+    """How far into the body a union branch got before failing: deeper first, then further along its arrays."""
+    return len(parts), tuple(p for p in parts if isinstance(p, int))
 
 
 def _joined(base: str, where: str) -> str:
@@ -169,10 +182,11 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
     located = []
     for error in errors:
         loc = tuple(error.get("loc", ()))[1:]  # drop "body"
-        located.append((_param_path(loc, body, missing=error.get("type") == "missing"), error))
-    # A union's branches each report an error; the deepest one is the branch that matched the input best.
-    deepest = max(len(path) for path, _ in located)
-    param, error = next((path, e) for path, e in located if len(path) == deepest)
+        located.append((_param_parts(loc, body, missing=error.get("type") == "missing"), error))
+    # A union's branches each report an error; the one that got furthest is the branch the client meant.
+    best = max(_progress(parts) for parts, _ in located)
+    parts, error = next((parts, e) for parts, e in located if _progress(parts) == best)
+    param = _dotted(parts)
     kind = error.get("type", "")
     ctx = error.get("ctx") or {}
     value = error.get("input")
@@ -191,7 +205,7 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
         return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
     if kind in _EXPECTED:
         expected = list(
-            dict.fromkeys(_EXPECTED[e["type"]] for p, e in located if p == param and e["type"] in _EXPECTED)
+            dict.fromkeys(_EXPECTED[e["type"]] for p, e in located if p == parts and e["type"] in _EXPECTED)
         )
         message = f"Invalid type for '{name}': expected {_join(expected)}, but got {_json_type(value)} instead."
         return APIError(400, message, param=param or None, code="invalid_type")

@@ -20,6 +20,8 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 RESPONSE_FORMATS = {"text": None, "json_object": None, "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
 """``response_format`` types and the key each one needs; ``regex`` and ``ebnf`` are extensions."""
 TEXT_PART_TYPES = ("text",)
+TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
+"""A text part's fields; ``prompt_cache_breakpoint`` is a caching hint for OpenAI's service, taken and ignored."""
 UNSUPPORTED_PART_TYPES = ("image_url", "input_audio", "file", "refusal")
 """Content parts OpenAI defines that these models cannot take: a 400 that says so, not "invalid"."""
 THINKING_SWITCHES = ("thinking", "enable_thinking", "drop_thinking")
@@ -53,6 +55,10 @@ class UnsupportedParameter(ParameterError):
     """A valid OpenAI value that this gateway cannot honour: the 400 names the feature."""
 
     code = "unsupported_value"
+
+
+class EmptyArray(ParameterError):
+    code = "empty_array"
 
 
 class MissingParameter(ParameterError):
@@ -142,7 +148,7 @@ class ChatMessage(_Body):
     def _text_parts_only(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
         if isinstance(value, list):
             if not value:
-                raise ParameterError("", "an array of content parts needs at least one part")
+                raise EmptyArray("", "an array of content parts needs at least one part")
             for i, part in enumerate(value):
                 kind = part.get("type")
                 if kind in UNSUPPORTED_PART_TYPES:
@@ -153,7 +159,7 @@ class ChatMessage(_Body):
                     raise ParameterError(f"[{i}].type", f"expected 'text', got {shown(kind)}")
                 if not isinstance(part.get("text"), str):
                     raise ParameterError(f"[{i}].text", "a text content part needs a string 'text'")
-                extra = sorted(set(part) - {"type", "text"})
+                extra = sorted(set(part) - TEXT_PART_FIELDS)
                 if extra:
                     raise ParameterError(f"[{i}].{extra[0]}", "unknown field in a text content part")
         return value
@@ -385,8 +391,8 @@ class ChatCompletionRequest(_Sampling):
             raise UnsupportedParameter("functions", "the deprecated functions API is not supported; use tools")
         if self.function_call not in (None, "none", "auto"):
             raise UnsupportedParameter("function_call", "the deprecated functions API is not supported; use tools")
-        if self.modalities not in (None, ["text"]):
-            raise UnsupportedParameter("modalities", "only the text modality is supported")
+        if self.modalities and "audio" in self.modalities:
+            raise UnsupportedParameter("modalities", "audio output is not supported; only text is")
         if self.audio:
             raise UnsupportedParameter("audio", "audio output is not supported")
         if self.prediction:
@@ -410,7 +416,7 @@ TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
 class CompletionRequest(_Sampling):
     null_means_default: ClassVar[frozenset[str]] = frozenset({"stream", "n", "echo", "max_tokens"})
 
-    prompt: str | list[str] | TokenIds | list[TokenIds] | None = Field(
+    prompt: str | list[str] | TokenIds | list[Annotated[TokenIds, Field(min_length=1)]] | None = Field(
         description="null is OpenAI's default, the start of a document: generation from an empty prompt"
     )
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
@@ -426,7 +432,7 @@ class CompletionRequest(_Sampling):
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedParameter("best_of", "best_of other than n is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise UnsupportedParameter("prompt", "the prompt list is empty")
+            raise EmptyArray("prompt", "the prompt list is empty")
         return self
 
     def prompts(self) -> list[str | list[int]]:
