@@ -164,6 +164,25 @@ class ChatMessage(_Body):
                     raise ParameterError(f"[{i}].{extra[0]}", "unknown field in a text content part")
         return value
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _function_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, call in enumerate(value or ()):
+            kind = call.get("type")
+            if kind == "custom":
+                raise UnsupportedParameter(f"[{i}].type", "custom tool calls are not supported; use function tools")
+            if kind != "function":
+                raise ParameterError(f"[{i}].type", f"expected 'function', got {shown(kind)}")
+            if not isinstance(call.get("id"), str):
+                raise MissingParameter(f"[{i}].id", "a tool call needs a string id")
+            function = call.get("function")
+            if not isinstance(function, dict):
+                raise ParameterError(f"[{i}].function", 'expected {"name": ..., "arguments": ...}')
+            for key in ("name", "arguments"):
+                if not isinstance(function.get(key), str):
+                    raise ParameterError(f"[{i}].function.{key}", "expected a string")
+        return value
+
     @model_validator(mode="after")
     def _content_rules(self) -> ChatMessage:
         if self.role == "function":
