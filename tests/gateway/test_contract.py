@@ -140,7 +140,12 @@ NULLABLE = [
 
 
 @pytest.mark.parametrize(
-    ("path", "body"), NULLABLE, ids=[f"{p.rsplit('/', 1)[-1]}-{i}" for i, (p, _) in enumerate(NULLABLE)]
+    ("path", "body"),
+    NULLABLE,
+    ids=[
+        f"{'chat' if 'chat' in p else 'completions'}-{','.join(k for k, v in b.items() if v is None)}"
+        for p, b in NULLABLE
+    ],
 )
 def test_null_where_openai_allows_it_means_the_default(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
     response = http.post(path, json=body)
