@@ -4,6 +4,7 @@ them, full parameter paths, no 500 for a client mistake, and every request count
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -11,8 +12,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config import GatewayConfig
+
 from ..conformance import OpenAISchemas
-from ..conftest import MODEL, TINY_MODEL
+from ..conftest import MODEL, TINY_MODEL, RunningGateway, start_gateway, stop_gateway
 
 USER = [{"role": "user", "content": "hi"}]
 UNROUTED = (("backend", ""), ("model", ""))
@@ -296,3 +299,28 @@ def test_a_404_for_a_huge_model_name_stays_small(http: httpx.Client, client: ope
         assert len(response.content) < 1000
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=TINY_MODEL + "-missing", messages=USER)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def lmdeploy_fronted() -> Iterator[RunningGateway]:
+    """A gateway whose only backend is an LMDeploy node that is not there: what it answers, it answers without
+    asking any backend."""
+    config = GatewayConfig(
+        backends=[{"name": "lm", "kind": "lmdeploy", "urls": ["http://127.0.0.1:9"], "model": "m"}],
+        models=[{"name": "lm-model", "backends": ["lm"]}],
+    )
+    running = start_gateway(config, wait_for="/health")
+    yield running
+    stop_gateway(running)
+
+
+def test_lone_surrogates_are_refused_at_the_boundary_whatever_the_backend_kind(
+    lmdeploy_fronted: RunningGateway,
+) -> None:
+    with httpx.Client(base_url=lmdeploy_fronted.base_url, timeout=30) as http:
+        for path, body, param in [
+            ("/v1/chat/completions", {**chat(model="lm-model"), "user": "a@b"}, "user"),
+            ("/v1/completions", completion(model="lm-model", prompt=["a@b"]), "prompt[0]"),
+        ]:
+            raw = json.dumps(body).replace("@", "\\udfff")
+            assert_400(post_raw(http, path, raw), param, "invalid_value")
