@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -43,9 +44,16 @@ SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
 """Configuration fields holding secrets: the admin key and upstream bearer tokens (client keys: ``api_keys``)."""
 
 
+URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@", re.IGNORECASE)
+"""The password in a URL's user info (``redis://:password@host``)."""
+
+
 def redact_secrets(value: Any) -> Any:
     """The dumped configuration with every key replaced by ``REDACTED``: client keys (plain or with limits), the
-    admin key and upstream ``api_key``s, wherever they came from (file or ``GATEWAY_*`` variables)."""
+    admin key, upstream ``api_key``s and passwords in URLs, wherever they came from (file or ``GATEWAY_*``
+    variables)."""
+    if isinstance(value, str):
+        return URL_PASSWORD.sub(rf"\1:{REDACTED}@", value)
     if isinstance(value, list):
         return [redact_secrets(item) for item in value]
     if not isinstance(value, dict):
