@@ -324,3 +324,17 @@ def test_lone_surrogates_are_refused_at_the_boundary_whatever_the_backend_kind(
         ]:
             raw = json.dumps(body).replace("@", "\\udfff")
             assert_400(post_raw(http, path, raw), param, "invalid_value")
+
+
+@pytest.mark.parametrize("depth", [200, 900, 5000])
+def test_deeply_nested_values_are_a_4xx_not_a_500(http: httpx.Client, depth: int) -> None:
+    deep = "[" * depth + "]" * depth
+    for body in (
+        f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": [{{"type": {deep}}}]}}]}}',
+        f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "metadata": {{"k": {deep}}}}}',
+        f'{{"model": "{MODEL}", "prompt": {deep}}}',
+    ):
+        path = "/v1/completions" if '"prompt"' in body else "/v1/chat/completions"
+        response = post_raw(http, path, body)
+        assert response.status_code == 400, response.text[:300]
+        assert len(response.json()["error"]["message"]) < 400

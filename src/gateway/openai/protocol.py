@@ -33,8 +33,8 @@ def shown(value: object) -> str:
     """A client's value as JSON text for an error message (never a Python repr), cut to ``SHOWN_CHARS``."""
     try:
         text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = type(value).__name__
+    except (TypeError, ValueError, RecursionError):
+        text = "an array" if isinstance(value, list) else "an object"
     text = text.encode("utf-8", "replace").decode("utf-8")
     return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
 
@@ -67,31 +67,34 @@ class MissingParameter(ParameterError):
     code = "missing_required_parameter"
 
 
-def unencodable_text(value: object, path: str = "") -> str | None:
-    """The path of the first string (or object key) that is not valid Unicode text, such as a lone UTF-16
-    surrogate from a ``\\ud800`` escape; None when all text can be encoded. Runs before any tokenizer sees it."""
-    if isinstance(value, str):
-        if value.isascii():
-            return None
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            inner = f"{path}.{key}" if path else str(key)
-            if unencodable_text(key) is not None:
+def unencodable_text(value: object) -> str | None:
+    """The path of the first string (or the object holding the first key) that is not valid Unicode text, such as
+    a lone UTF-16 surrogate from a ``\\ud800`` escape; None when all text can be encoded. Iterative, so that a
+    deeply nested body cannot exhaust the stack; runs before any tokenizer sees the text."""
+    pending: list[tuple[object, str]] = [(value, "")]
+    while pending:
+        node, path = pending.pop()
+        if isinstance(node, str):
+            if not node.isascii() and not _encodable(node):
                 return path
-            found = unencodable_text(item, inner)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = unencodable_text(item, f"{path}[{i}]")
-            if found is not None:
-                return found
+        elif isinstance(node, dict):
+            children = []
+            for key, item in node.items():
+                if isinstance(key, str) and not key.isascii() and not _encodable(key):
+                    return path
+                children.append((item, f"{path}.{key}" if path else str(key)))
+            pending.extend(reversed(children))
+        elif isinstance(node, list):
+            pending.extend(reversed([(item, f"{path}[{i}]") for i, item in enumerate(node)]))
     return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class InvalidText(ParameterError):
