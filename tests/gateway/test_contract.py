@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig
@@ -338,3 +339,51 @@ def test_deeply_nested_values_are_a_4xx_not_a_500(http: httpx.Client, depth: int
         response = post_raw(http, path, body)
         assert response.status_code == 400, response.text[:300]
         assert len(response.json()["error"]["message"]) < 400
+
+
+class _BuggyBackend:
+    """Test double for a backend with a programming error (no real backend has one we can trigger): generate
+    raises something that is not a ``BackendError``."""
+
+    kind = "test-double"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def readiness(self) -> tuple[bool, str]:
+        return True, "ready"
+
+    def max_model_len(self) -> int | None:
+        return None
+
+    def generate(self, request):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug")
+
+
+def _status_total(http: httpx.Client, status: str) -> float:
+    return sum(value for labels, value in _requests_total(http).items() if ("status", status) in labels)
+
+
+def test_a_500_is_counted_and_logged_too() -> None:
+    config = GatewayConfig(
+        backends=[{"name": "buggy", "kind": "reference"}], models=[{"name": "m", "backends": ["buggy"]}]
+    )
+    running = start_gateway(config, backends={"buggy": _BuggyBackend("buggy")})
+    try:
+        with httpx.Client(base_url=running.base_url, timeout=30) as http:
+            before = _status_total(http, "500")
+            with structlog.testing.capture_logs() as logs:
+                # A connection of its own: uvicorn closes the connection after an unhandled exception.
+                response = httpx.post(f"{running.base_url}/v1/chat/completions", json={"model": "m", "messages": USER})
+            assert response.status_code == 500
+            assert response.json()["error"]["type"] == "server_error"
+            assert _status_total(http, "500") - before == 1, "counted once, by whoever saw it end"
+        assert [line["status"] for line in logs if line.get("event") == "request"] == [500]
+    finally:
+        stop_gateway(running)
