@@ -101,6 +101,7 @@ def create_app(
         max_body_bytes=config.server.max_body_bytes,
         access_log=config.server.access_log,
         draining=lambda: state.draining,
+        metrics=metrics,
     )
     return app
 

@@ -154,6 +154,13 @@ class GatewayMetrics:
     def observer(self, model: str, backend: str, log: dict[str, object]) -> RequestObserver:
         return RequestObserver(self, model, backend, log)
 
+    def count_unrouted(self, status: int, code: str | None) -> None:
+        """A request that ended before any backend took it: labelled with empty model and backend (the client's
+        model name is not a label, so junk names cannot blow up the series count)."""
+        self.requests.labels("", "", str(status)).inc()
+        if status >= 400:
+            self.errors.labels("", "", code or str(status)).inc()
+
 
 class RequestObserver:
     """Times one request and records it once, whatever way it ends."""

@@ -347,7 +347,9 @@ BAD = [
     pytest.param({"reasoning_effort": 101}, "reasoning_effort", id="effort-out-of-range"),
     pytest.param({"reasoning_effort": True}, "reasoning_effort", id="effort-boolean"),
     pytest.param({"chat_template_kwargs": {"bogus": 1}}, "chat_template_kwargs.bogus", id="unknown-template-kwarg"),
-    pytest.param({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", id="bad-tool-name"),
+    pytest.param(
+        {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", id="bad-tool-name"
+    ),
 ]
 
 

@@ -188,7 +188,7 @@ def encode_messages(
 
     ``reasoning_effort`` is validated and printed only in thinking mode; chat mode ignores it.
 
-    Raises ``ValueError`` for an unknown role, a developer message with empty content, an unsupported
+    Raises ``ValueError`` for an unknown role, a developer message without content, an unsupported
     content part, a malformed tool call or tool, an invalid effort (thinking mode), an empty message list,
     or ``continue_final_message`` without a final assistant message.
     """
@@ -317,8 +317,8 @@ def _normalize_message(idx: int, msg: Mapping[str, Any]) -> _Turn:
         )
     content = _flatten_content(idx, msg.get("content"))
 
-    if role == "developer" and not content:
-        raise ValueError(f"messages[{idx}] is a developer message with empty content")
+    if role == "developer" and msg.get("content") is None:  # "" is fine, as for system (OpenAI accepts both)
+        raise ValueError(f"messages[{idx}] is a developer message without content")
 
     if role == "assistant":
         reasoning = msg.get("reasoning_content")

@@ -674,10 +674,13 @@ def test_unknown_role_raises_value_error() -> None:
         encode_messages([{"role": "function", "content": "x"}], thinking=False)
 
 
-@pytest.mark.parametrize("content", ["", None, []])
-def test_developer_message_with_empty_content_raises_value_error(content: object) -> None:
-    with pytest.raises(ValueError, match="developer message with empty content"):
-        encode_messages([{"role": "developer", "content": content}], thinking=False)
+def test_developer_message_without_content_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="developer message without content"):
+        encode_messages([{"role": "developer", "content": None}], thinking=False)
+
+
+def test_developer_message_with_empty_text_is_encoded_like_an_empty_system_message() -> None:
+    assert encode_messages([{"role": "developer", "content": ""}], thinking=False)
 
 
 def test_developer_message_renders_as_user_turn() -> None:
