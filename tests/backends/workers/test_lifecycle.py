@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket as socketlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from backends.workers.driver import _free_port
 from backends.workers.worker import WorkerSpec
 
 from ...conftest import wait_until
-from .conftest import driver_of, start_data_parallel_gateway, stop_gateway, worker_pids
+from .conftest import clock_of, driver_of, start_data_parallel_gateway, stop_gateway, worker_pids
 
 
 async def first_event_then_rest(backend: DataParallelBackend, request_id: str, started: asyncio.Event) -> object:
@@ -119,3 +120,37 @@ def test_remote_ranks_serve_survive_a_restart_and_outlive_the_gateway(
         stop_gateway(gateway)
     # The gateway neither started nor stops remote ranks: they wait for the next dispatcher.
     assert all(w.poll() is None for w in workers)
+
+
+# ---- local ranks over TCP: a fresh port at each launch ------------------------------------------------------------
+
+
+def test_a_tcp_rank_whose_old_port_was_taken_comes_back_on_another() -> None:
+    gateway = start_data_parallel_gateway(
+        [{"name": "tcp", "kind": "reference", "data_parallel_size": 2, "worker_transport": "tcp"}]
+    )
+    try:
+        driver = driver_of(gateway, "tcp")
+        victim = driver.ranks[1]
+        old_endpoint = victim.endpoint
+        host, port = old_endpoint.removeprefix("tcp://").rsplit(":", 1)
+        with clock_of(gateway, "tcp").held(), socketlib.socket() as squatter:
+            assert victim.process is not None
+            victim.process.kill()
+            assert wait_until(lambda: victim.state == "down" and victim.process is None)
+            # Another server takes the port while the rank waits to restart (SO_REUSEADDR, as servers do: the
+            # killed worker's connections linger in TIME_WAIT).
+            squatter.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_REUSEADDR, 1)
+            squatter.bind((host, int(port)))
+            squatter.listen()
+        assert wait_until(lambda: victim.state == "up", 30)
+        assert victim.endpoint != old_endpoint
+        assert victim.restarts == 1
+        with httpx.Client(base_url=gateway.base_url, timeout=60) as http:
+            body = {"model": "tcp", "prompt": "Hello", "max_tokens": 4}
+            before = victim.dispatched
+            for _ in range(2):  # equal loads alternate ranks: one goes to the restarted rank
+                assert http.post("/v1/completions", json=body).status_code == 200
+            assert victim.dispatched == before + 1
+    finally:
+        stop_gateway(gateway)
