@@ -134,17 +134,18 @@ def test_a_tcp_rank_whose_old_port_was_taken_comes_back_on_another() -> None:
         victim = driver.ranks[1]
         old_endpoint = victim.endpoint
         host, port = old_endpoint.removeprefix("tcp://").rsplit(":", 1)
-        with clock_of(gateway, "tcp").held(), socketlib.socket() as squatter:
-            assert victim.process is not None
-            victim.process.kill()
-            assert wait_until(lambda: victim.state == "down" and victim.process is None)
-            # Another server takes the port while the rank waits to restart (SO_REUSEADDR, as servers do: the
-            # killed worker's connections linger in TIME_WAIT).
-            squatter.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_REUSEADDR, 1)
-            squatter.bind((host, int(port)))
-            squatter.listen()
-        assert wait_until(lambda: victim.state == "up", 30)
-        assert victim.endpoint != old_endpoint
+        with socketlib.socket() as squatter:
+            with clock_of(gateway, "tcp").held():
+                assert victim.process is not None
+                victim.process.kill()
+                assert wait_until(lambda: victim.state == "down" and victim.process is None)
+                # Another server takes the port while the rank waits to restart (SO_REUSEADDR, as servers do: the
+                # killed worker's connections linger in TIME_WAIT).
+                squatter.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_REUSEADDR, 1)
+                squatter.bind((host, int(port)))
+                squatter.listen()
+            assert wait_until(lambda: victim.state == "up", 30)
+            assert victim.endpoint != old_endpoint
         assert victim.restarts == 1
         with httpx.Client(base_url=gateway.base_url, timeout=60) as http:
             body = {"model": "tcp", "prompt": "Hello", "max_tokens": 4}
