@@ -71,9 +71,9 @@ class WorkerPlan:
     max_backoff: float = 30.0
     stable_seconds: float = 30.0
     """A rank up this long has its backoff reset."""
-    start_timeout: float = 900.0
-    """A rank not ready this long after its launch is killed and counted as failed (DeepInfer loading a large model
-    from disk takes minutes)."""
+    start_timeout: float = 1800.0
+    """A rank not ready this long after its launch is killed and counted as failed (generous: DeepInfer loading a
+    large model from shared storage takes many minutes, and a deadline hit by a healthy start would repeat)."""
     heartbeat_timeout: float = 10.0
     """A rank silent this long is declared dead (workers report at least every second, and after each step)."""
 

@@ -55,7 +55,7 @@ class RestartPolicy:
     initial_backoff: float = 0.5
     max_backoff: float = 30.0
     stable_seconds: float = 30.0
-    start_timeout: float = 900.0
+    start_timeout: float = 1800.0
 
     def backoff(self, failures: int) -> float:
         return min(self.max_backoff, self.initial_backoff * 2.0 ** min(failures, 64))
