@@ -537,9 +537,14 @@ class DataParallelDriver:
         if plan.rank_env is not None:
             env.update(plan.rank_env(rank.index))
         # Spawned from the event loop's thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
-        process = subprocess.Popen(
-            [sys.executable, "-m", "backends.workers.worker", spec.to_json()], stdin=subprocess.DEVNULL, env=env
-        )
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "backends.workers.worker", spec.to_json()], stdin=subprocess.DEVNULL, env=env
+            )
+        except OSError as exc:  # reported from the next loop iteration: the supervisor is inside its launch now
+            logger.exception("cannot start rank %d of %s", rank.index, self.name)
+            self._loop.call_soon(self._never_started, rank, f"cannot start its worker process: {exc}")
+            return
         rank.process = process
         rank.exited = self._loop.create_future()
         self._watch_exit(rank, process, rank.exited)
@@ -595,6 +600,13 @@ class DataParallelDriver:
         self._rank_failed(rank, f"worker exited with {_describe_exit(code)}")
         assert self.supervisor is not None
         self.supervisor.exited(rank.index)  # its GPU memory is free: a relaunch may go ahead
+
+    def _never_started(self, rank: RankState, reason: str) -> None:
+        if self._stopping:
+            return
+        self._rank_failed(rank, reason)
+        assert self.supervisor is not None
+        self.supervisor.exited(rank.index)  # there is no process to wait for
 
     def _rank_failed(self, rank: RankState, reason: str) -> None:
         """Reports the failure; the supervisor takes the rank (in lockstep, the group) down and plans the restart."""

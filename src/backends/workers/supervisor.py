@@ -14,12 +14,9 @@ uvloop's milliseconds) is armed again for the rest, never dropped.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
-
-logger = logging.getLogger(__name__)
 
 
 class Timer(Protocol):
@@ -104,7 +101,6 @@ class RankSupervisor:
         groups = [tuple(range(size))] if lockstep else [(i,) for i in range(size)]
         self.units = [Unit(ranks) for ranks in groups]
         self._unit_of = {rank: unit for unit in self.units for rank in unit.ranks}
-        self.lockstep = lockstep
 
     def unit_of(self, rank: int) -> Unit:
         return self._unit_of[rank]
@@ -142,7 +138,6 @@ class RankSupervisor:
             unit.failures = 0
         delay = self.policy.backoff(unit.failures)
         unit.failures += 1
-        self._cancel(unit)
         unit.state = "down"
         unit.ready.clear()
         unit.due = now + delay
@@ -195,7 +190,6 @@ class RankSupervisor:
             return
         if unit.state == "starting":
             late = next(rank for rank in unit.ranks if rank not in unit.ready)
-            logger.error("data-parallel rank %d was not ready %.0f s after its launch", late, self.policy.start_timeout)
             self.failed(late, f"not ready within {self.policy.start_timeout:g} s of its start")
         elif unit.state == "down":
             self._maybe_launch(unit)  # or, if an old process is still alive, ``exited`` launches

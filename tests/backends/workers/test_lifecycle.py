@@ -8,7 +8,7 @@ import signal
 import socket as socketlib
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -16,9 +16,9 @@ import pytest
 from backends.config import ReferenceBackendConfig
 from backends.errors import BackendError
 from backends.interface import GenerateRequest, SamplingOptions
-from backends.reference.backend import build_reference_backend
+from backends.reference.backend import build_reference_backend, load_tokenizer
 from backends.workers.backend import DataParallelBackend
-from backends.workers.driver import _free_port
+from backends.workers.driver import DataParallelDriver, WorkerPlan, _free_port
 from backends.workers.worker import WorkerSpec
 
 from ...conftest import wait_until
@@ -155,3 +155,35 @@ def test_a_tcp_rank_whose_old_port_was_taken_comes_back_on_another() -> None:
             assert victim.dispatched == before + 1
     finally:
         stop_gateway(gateway)
+
+
+async def until(predicate: Callable[[], bool]) -> bool:
+    """``wait_until`` for tests whose driver runs on their own event loop: polls state, yielding to the loop."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30.0
+    while not predicate():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def test_a_rank_whose_worker_cannot_be_spawned_is_retried_until_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = ReferenceBackendConfig(name="dp", data_parallel_size=2).model_dump(mode="json")
+    plan = WorkerPlan(2, "backends.reference.backend:build_rank_engine", options, restart_backoff=0.05, max_backoff=0.2)
+    driver = DataParallelDriver("dp", plan, load_tokenizer)
+    await driver.start()
+    try:
+        victim = driver.ranks[1]
+        assert victim.process is not None
+        monkeypatch.setattr(sys, "executable", "/nonexistent/python")  # e.g. the environment was upgraded away
+        victim.process.kill()
+        assert await until(lambda: "cannot start its worker process" in victim.reason)
+        assert await until(lambda: victim.launches >= 4)  # retried, with backoff
+        monkeypatch.undo()
+        assert await until(lambda: victim.state == "up")
+        assert driver.ranks[0].state == "up" and driver.ranks[0].restarts == 0
+        processes = [rank.process for rank in driver.ranks]
+    finally:
+        await driver.stop()
+    assert all(p is not None and p.returncode == 0 for p in processes)
