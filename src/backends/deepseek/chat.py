@@ -19,7 +19,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from backends.deepseek.encoding import THINK_END, encode_messages, prompt_ends_in_thinking
-from backends.deepseek.parser import DeepSeekV41OutputParser, tool_properties
+from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
 from backends.deepseek.structured import response_format_so_args, tool_call_grammar
 from backends.engine.backend import ChatPrompt
 from backends.errors import InvalidRequestError
@@ -93,7 +93,7 @@ class DeepSeekV41ChatTemplate:
         parser = functools.partial(
             DeepSeekV41OutputParser,
             in_reasoning=in_reasoning,
-            tools=tool_properties(prompt_tools) if prompt_tools is not None else None,
+            tools=tool_schemas(prompt_tools) if prompt_tools is not None else None,
             max_calls=1 if single_call else None,
             literal_content=so_param == "response_format",
         )
