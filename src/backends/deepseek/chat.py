@@ -20,7 +20,12 @@ from tokenizers import Tokenizer
 
 from backends.deepseek.encoding import THINK_END, encode_messages, prompt_ends_in_thinking
 from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
-from backends.deepseek.structured import response_format_so_args, tool_call_grammar
+from backends.deepseek.structured import (
+    ToolSchemaError,
+    check_json_schema,
+    response_format_so_args,
+    tool_call_grammar,
+)
 from backends.engine.backend import ChatPrompt
 from backends.errors import InvalidRequestError
 from backends.interface import REQUEST_FEATURES, GenerateRequest
@@ -55,6 +60,7 @@ class DeepSeekV41ChatTemplate:
         thinking, effort = self.thinking_mode(request)
         kwargs = request.chat_template_kwargs or {}
         tools = request.tools or None
+        _check_tool_schemas(tools)
         choice, forced = _tool_choice(request.tool_choice, tools)
         prompt_tools = tools if choice != "none" else None
 
@@ -71,7 +77,11 @@ class DeepSeekV41ChatTemplate:
             )
         single_call = request.parallel_tool_calls is False
         if forced is not None:
-            grammar = tool_call_grammar([tool["function"] for tool in forced], parallel=not single_call)
+            try:
+                grammar = tool_call_grammar([tool["function"] for tool in forced], parallel=not single_call)
+            except ToolSchemaError as exc:
+                where = f"tools[{tools.index(forced[exc.index])}].function.parameters"  # type: ignore[union-attr]
+                raise InvalidRequestError(f"{where}: {exc}", param=where) from None
             so_args, so_param = {"schema_type": "ebnf", "schema": grammar}, "tool_choice"
 
         try:
@@ -148,6 +158,21 @@ def v41_effort(effort: Any) -> str | int | None:
         f"invalid reasoning_effort {effort!r}: expected one of {', '.join(OPENAI_EFFORTS)} or an integer from 1 to 100",
         param="reasoning_effort",
     )
+
+
+def _check_tool_schemas(tools: list[dict[str, Any]] | None) -> None:
+    """Each tool's ``parameters`` must be a well-formed JSON Schema: a 400 naming the tool otherwise.
+
+    (The structure of ``tools`` itself is checked by the encoder, which names what is wrong.)
+    """
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping) and function.get("parameters") is not None:
+            where = f"tools[{i}].function.parameters"
+            try:
+                check_json_schema(function["parameters"], where)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param=where) from None
 
 
 def _tool_choice(

@@ -1,0 +1,176 @@
+"""JSON Schema compiled to GBNF (for forced tool calls) accepts what the engines' JSON compiler accepts.
+
+Every case runs both compilers on the reference engine's grammar library (llguidance): ours, through the
+GBNF -> Lark translation the engine uses for ``ebnf``, and llguidance's own JSON-schema compiler in the strict
+mode ``response_format`` gets. The two must agree on every sample value.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from backends.deepseek.json_grammar import BASE_RULES, SchemaGrammar, integer_range, json_value_rules
+from backends.reference import ReferenceArtifacts
+from backends.reference.structured import JSON_OPTIONS, strict_json_schema
+
+
+class Acceptor:
+    """Whether a compiled grammar accepts a whole text, fed as the reference tokenizer splits it."""
+
+    def __init__(self, grammar: str, artifacts: ReferenceArtifacts) -> None:
+        self.tokenizer = artifacts.tokenizer
+        self.ll_tokenizer = llguidance.LLTokenizer(
+            artifacts.tokenizer.to_str(), n_vocab=artifacts.model.vocab_size, eos_token=1
+        )
+        self.grammar = grammar
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        assert not is_error, messages
+
+    def __call__(self, text: str) -> bool:
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, self.grammar, log_level=0)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+def ours(schema: Any, artifacts: ReferenceArtifacts) -> Acceptor:
+    rules: list[str] = []
+    value = SchemaGrammar(schema, "s", rules).value(schema)
+    gbnf = "\n".join([f"root ::= {value}", *rules, *BASE_RULES, *json_value_rules()])
+    return Acceptor(llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(gbnf)), artifacts)
+
+
+def engines(schema: Any, artifacts: ReferenceArtifacts) -> Acceptor:
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(strict_json_schema(schema), overrides=JSON_OPTIONS)
+    return Acceptor(grammar, artifacts)
+
+
+NESTED = {
+    "$defs": {
+        "Unit": {"enum": ["c", "f"]},
+        "Place": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "unit": {"$ref": "#/$defs/Unit"},
+                "zoom": {"type": "integer", "minimum": 1, "maximum": 20},
+            },
+            "required": ["city"],
+        },
+        "Tree": {
+            "type": "object",
+            "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/Tree"}}},
+            "required": ["v"],
+        },
+    },
+    "type": "object",
+    "properties": {
+        "dest": {"$ref": "#/$defs/Place"},
+        "via": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]},
+        "mode": {"const": "fast"},
+        "score": {"type": "number", "minimum": 1, "maximum": 5},
+        "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 3}, "maxItems": 2},
+        "tree": {"$ref": "#/$defs/Tree"},
+    },
+    "required": ["dest", "mode"],
+}
+
+CASES: list[tuple[Any, list[Any]]] = [
+    ({"type": "integer", "minimum": 1, "maximum": 5}, [0, 1, 3, 5, 6, -1, 10, 2.5, "3"]),
+    ({"type": "integer", "exclusiveMinimum": -3, "exclusiveMaximum": 12}, [-4, -3, -2, 0, 11, 12, 100]),
+    ({"type": "integer", "minimum": 95}, [94, 95, 99, 100, 1234, -95]),
+    ({"type": "integer", "maximum": -7}, [-6, -7, -70, 0, 7]),
+    ({"type": "number", "minimum": 1, "maximum": 5}, [0, 0.5, 1, 1.5, 4.99, 5, 5.5, 6, -2]),
+    ({"type": "number", "minimum": -2.5, "exclusiveMaximum": 0}, [-3, -2, -1.25, -0.5, 0, 0.5]),
+    ({"type": "string", "maxLength": 3}, ["", "ab", "abc", "abcd", 'a"b', "\\n"]),
+    ({"type": "string", "minLength": 2, "maxLength": 2}, ["a", "ab", "abc"]),
+    ({"enum": ["red", 2, None]}, ["red", 2, None, "blue", 3]),
+    ({"const": {"k": [1, 2]}}, [{"k": [1, 2]}, {"k": [1]}]),
+    ({"anyOf": [{"type": "integer", "maximum": 0}, {"type": "string", "maxLength": 1}]}, [-1, 1, "a", "ab", None]),
+    ({"type": ["boolean", "null"]}, [True, None, 0, "true"]),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3}, [[], [1], [1, 2, 3], [1, 2, 3, 4]]),
+    ({"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}]}, [["a", 1], ["a"], [1, "a"]]),
+    (
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["b"]},
+        [{"b": "x"}, {"a": 1, "b": "x"}, {"a": 1}, {}, {"b": "x", "c": 1}, {"b": 1}],
+    ),
+    (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "boolean"}},
+        [{}, {"a": 1}, {"a": 1, "z": True}, {"z": False}, {"z": 1}],
+    ),
+    (
+        {  # how Pydantic v1 wrote a field of a model type with a description
+            "$defs": {"P": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+            "type": "object",
+            "properties": {"p": {"allOf": [{"$ref": "#/$defs/P"}], "description": "a P"}},
+        },
+        [{"p": {"a": 1}}, {}, {"p": {"b": 1}}, {"p": {}}],
+    ),
+    (
+        NESTED,
+        [
+            {"dest": {"city": "Oslo"}, "mode": "fast"},
+            {"dest": {"city": "Oslo", "unit": "c", "zoom": 20}, "via": None, "mode": "fast", "score": 4.5},
+            {"dest": {"city": "Oslo"}, "via": {"city": "Rome", "zoom": 3}, "mode": "fast", "tags": ["a", "bcd"]},
+            {"dest": {"city": "Oslo"}, "mode": "fast", "tree": {"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}]}},
+            {"dest": {"city": "Oslo"}, "mode": "slow"},
+            {"dest": {"city": "Amsterdam"}, "mode": "fast"},
+            {"dest": {"city": "Oslo", "unit": "k"}, "mode": "fast"},
+            {"dest": {"city": "Oslo", "zoom": 0}, "mode": "fast"},
+            {"dest": {"city": "Oslo"}, "mode": "fast", "score": 0},
+            {"dest": {"city": "Oslo"}, "mode": "fast", "tags": ["abcd"]},
+            {"dest": {"city": "Oslo"}, "mode": "fast", "tags": ["a", "b", "c"]},
+            {"dest": {"city": "Oslo"}, "mode": "fast", "tree": {"kids": []}},
+            {"mode": "fast"},
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("schema", "values"), CASES, ids=[str(i) for i in range(len(CASES))])
+def test_compiled_schema_agrees_with_the_engines_json_compiler(
+    schema: Any, values: list[Any], artifacts: ReferenceArtifacts
+) -> None:
+    mine, theirs = ours(schema, artifacts), engines(schema, artifacts)
+    verdicts = [(value, mine(json.dumps(value)), theirs(json.dumps(value))) for value in values]
+    assert [v for v in verdicts if v[1] != v[2]] == []
+    assert any(accepted for _, accepted, _ in verdicts) and not all(accepted for _, accepted, _ in verdicts)
+
+
+def test_objects_and_arrays_without_declarations_hold_any_json(artifacts: ReferenceArtifacts) -> None:
+    accepts = ours({"type": "object", "properties": {"o": {"type": "object"}, "a": {"type": "array"}}}, artifacts)
+    assert accepts(json.dumps({"o": {"x": [1, {"y": None}]}, "a": [1, "b", {}]}))
+    assert not accepts(json.dumps({"o": [], "a": {}}))
+
+
+@pytest.mark.parametrize(
+    "schema", [False, {"type": "integer", "minimum": 5, "maximum": 4}, {"maxLength": 1, "minLength": 2}]
+)
+def test_schemas_nothing_satisfies_are_refused(schema: Any) -> None:
+    with pytest.raises(ValueError):
+        SchemaGrammar(schema, "s", []).value(schema)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    low=st.none() | st.integers(-1200, 1200),
+    span=st.none() | st.integers(0, 2500),
+    probes=st.lists(st.integers(-3000, 3000), min_size=5, max_size=12),
+)
+def test_integer_range_accepts_exactly_the_integers_in_range(
+    low: int | None, span: int | None, probes: list[int], artifacts: ReferenceArtifacts
+) -> None:
+    high = None if span is None else (span if low is None else low + span)
+    gbnf = f"root ::= {integer_range(low, high)}"
+    accepts = Acceptor(llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(gbnf)), artifacts)
+    edges = [b + d for b in (low, high) if b is not None for d in (-1, 0, 1)]
+    for n in [*probes, *edges, 0]:
+        inside = (low is None or n >= low) and (high is None or n <= high)
+        assert accepts(str(n)) == inside, n
+    assert not accepts("-0") and not accepts("007")
