@@ -18,7 +18,18 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from backends.deepseek.encoding import THINK_END, encode_messages, prompt_ends_in_thinking
+from backends.deepseek.encoding import (
+    DSML_CALLS_END,
+    DSML_CALLS_START,
+    DSML_INVOKE_END,
+    DSML_INVOKE_START,
+    DSML_PARAMETER_END,
+    DSML_PARAMETER_START,
+    THINK_END,
+    THINK_START,
+    encode_messages,
+    prompt_ends_in_thinking,
+)
 from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
 from backends.deepseek.structured import (
     ToolSchemaError,
@@ -42,6 +53,19 @@ OPENAI_EFFORTS: Mapping[str, str | None] = {
 """OpenAI ``reasoning_effort`` -> V4.1 effort; None means chat mode. ``medium`` is OpenAI's default and V4.1 has
 no such level, so it maps to V4.1's own default, ``high`` (50 on the 1-100 scale). Integers 1-100 pass through."""
 
+OUTPUT_MARKERS = (
+    THINK_START,
+    THINK_END,
+    DSML_CALLS_START,
+    DSML_CALLS_END,
+    DSML_INVOKE_START,
+    DSML_INVOKE_END,
+    DSML_PARAMETER_START,
+    DSML_PARAMETER_END,
+)
+"""The tags the output parser reads: the detokenizer keeps them in the text even where V4.1's tokenizer marks
+them (or pieces of them, such as ``｜DSML｜``) as special tokens, while other special tokens are dropped."""
+
 THINKING_SWITCHES = ("thinking", "enable_thinking")
 CHAT_TEMPLATE_KWARGS = frozenset({*THINKING_SWITCHES, "drop_thinking"})
 
@@ -50,6 +74,7 @@ class DeepSeekV41ChatTemplate:
     """Renders chat requests in the V4.1 format and says how to decode and parse their output."""
 
     features = frozenset(REQUEST_FEATURES)
+    output_markers = OUTPUT_MARKERS
 
     def __init__(self, *, default_thinking: bool = False) -> None:
         self.default_thinking = default_thinking
