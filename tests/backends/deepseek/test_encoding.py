@@ -511,6 +511,12 @@ def test_calls_without_an_id_do_not_place_results_and_a_repeated_id_places_by_it
         "<｜User｜><tool_result>R-none</tool_result>\n\n<tool_result>RB</tool_result>\n\n"
         "<tool_result>RA</tool_result><｜Assistant｜></think>"
     )
+    messages[1]["tool_calls"] = [call("a", "f", "{}"), call("", "f", "{}")]
+    messages[2:] = [{"role": "tool", "content": "R-none"}, {"role": "tool", "tool_call_id": "a", "content": "RA"}]
+    # the result without an id does not take the id-less call's place: both sort as position 0, in message order
+    assert encode_messages(messages, thinking=False).endswith(
+        "<｜User｜><tool_result>R-none</tool_result>\n\n<tool_result>RA</tool_result><｜Assistant｜></think>"
+    )
 
 
 def test_call_id_may_sit_on_the_function_object() -> None:
