@@ -302,6 +302,22 @@ def test_forced_call_arguments_validate_against_a_nested_pydantic_schema(client:
     Trip.model_validate_json(call.function.arguments)  # raises on any violation of the schema
 
 
+def test_sdk_parse_helper_reads_a_forced_call_into_the_pydantic_model(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.parse(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=400,
+        seed=7,
+        tools=[openai.pydantic_function_tool(Trip)],  # strict: every field required, no extra keys
+        tool_choice="required",
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and calls
+    for call in calls:
+        assert isinstance(call.function.parsed_arguments, Trip)
+        assert set(json.loads(call.function.arguments)) == set(Trip.model_fields)
+
+
 def test_streamed_forced_call_with_a_nested_schema_matches_the_whole_reply(http: httpx.Client) -> None:
     fields = {"seed": 3, "max_tokens": 400, "tools": [TRIP_TOOL], "tool_choice": "required"}
     chunks = stream_chunks(http, **fields)

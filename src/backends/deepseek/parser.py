@@ -160,9 +160,12 @@ class DeepSeekV41OutputParser:
 
     def finish(self) -> ParsedText:
         """End of the completion: release held text and close an unterminated call with the parameters it
-        completed (an unfinished value, cut by ``max_tokens``, is left out rather than handed over half-written)."""
+        completed (an unfinished value, cut by ``max_tokens``, is left out rather than handed over half-written;
+        so is the start of a call block, ``<｜DSML…``, cut before its tag was complete)."""
         state, buf = self._state, self._buf
         self._buf = ""
+        if state in (_CONTENT, _REASONING) and len(buf) > 1 and DSML_CALLS_START.startswith(buf):
+            buf = ""  # a call block cut short after its first characters: markup, not text
         if state == _CONTENT:
             self._content(buf)
         elif state == _REASONING:

@@ -225,6 +225,14 @@ def test_partial_tag_at_the_end_is_released_as_text() -> None:
     assert parse(["reason </thin"], in_reasoning=True).reasoning == "reason </thin"
 
 
+def test_call_block_cut_inside_its_opening_tag_leaves_no_markup() -> None:
+    for cut in ("<｜", "<｜DSML", "<｜DSML｜ cal"):
+        assert parse(["answer\n\n" + cut]).as_tuple() == ("", "answer\n\n", [], False)
+        assert parse(["thinking " + cut], in_reasoning=True).reasoning == "thinking "
+    assert parse(["answer <"]).content == "answer <"
+    assert parse(["answer <｜DSML"], tools=None).content == "answer <｜DSML"  # without tools it is text
+
+
 def test_text_without_a_tag_start_passes_straight_through() -> None:
     parser = DeepSeekV41OutputParser(in_reasoning=False, tools=None)
     assert parser.push("no tags here") == ParsedText("", "no tags here", ())
