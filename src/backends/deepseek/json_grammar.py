@@ -93,7 +93,33 @@ def literal(text: str) -> str:
 
 
 def json_literal(value: Any) -> str:
-    return literal(json.dumps(value, ensure_ascii=False))
+    """GBNF for exactly ``value`` as JSON, character by character (see ``text_literal``)."""
+    return text_literal(json.dumps(value, ensure_ascii=False))
+
+
+def text_literal(text: str) -> str:
+    """GBNF for exactly ``text``, one literal per character.
+
+    The reference engine translates GBNF for a lexer that takes the longest match and does not back off: a
+    constant written as one literal would win over a free value that the same text begins (``"a"`` against the
+    string ``"ab"``, ``-13`` against the number ``-12``) and cut that alternative off. Single characters are as
+    long as the free value's characters, so both stay open.
+    """
+    return " ".join(literal(ch) for ch in text) if text else '""'
+
+
+def _class_char(ch: str) -> str:
+    """``ch`` written inside a GBNF character class."""
+    if ch in "]\\^-[":
+        return "\\" + ch
+    return literal(ch)[1:-1]
+
+
+def repeat(item: str, low: int, high: int | None) -> str:
+    """``item`` repeated ``low`` to ``high`` times (None: no upper bound); ``""`` for none at all."""
+    if high == 0:
+        return '""'
+    return f"{item}{{{low},{'' if high is None else high}}}"
 
 
 def alternatives(options: list[str]) -> str:
@@ -234,8 +260,7 @@ class SchemaGrammar:
             return "json-string"
         if high is not None and high < low:
             raise ValueError("maxLength is below minLength: no string fits")
-        count = f"{{{low},{'' if high is None else high}}}"
-        return f'"\\"" json-char{count} "\\""'
+        return f'"\\"" {repeat("json-char", low, high)} "\\""'
 
     def _integer(self, schema: Mapping[str, Any]) -> str:
         low, high = integer_bounds(schema)
@@ -255,10 +280,9 @@ class SchemaGrammar:
         extra = schema.get("additionalProperties", None if properties else True)
         extra_member = None
         if extra is not None and extra is not False:
-            extra_member = f'json-string ws ":" ws {self.value(extra)}'
+            extra_member = f'{self._other_key(list(properties))} ws ":" ws {self.value(extra)}'
         members = [
-            (f'{literal(json.dumps(key, ensure_ascii=False))} ws ":" ws {self.value(sub)}', key in required)
-            for key, sub in properties.items()
+            (f'{json_literal(key)} ws ":" ws {self.value(sub)}', key in required) for key, sub in properties.items()
         ]
         missing = required - set(properties)
         if missing and extra_member is None:
@@ -286,6 +310,31 @@ class SchemaGrammar:
             starts.append('""')
         return f'"{{" ws {alternatives(starts)} "}}"'
 
+    def _other_key(self, declared: list[str]) -> str:
+        """A JSON string that is none of the ``declared`` property names (they follow their own schemas).
+
+        A trie of the names: at each node the key may end (unless a name ends there), go on with a name's next
+        character, or leave the trie with any other character (or an escape) and continue freely.
+        """
+        if not declared:
+            return "json-string"
+        trie: dict[str, Any] = {}
+        for name in declared:
+            node = trie
+            for ch in name:
+                node = node.setdefault(ch, {})
+            node[""] = {}  # a name ends here
+
+        def rule(node: dict[str, Any]) -> str:
+            children = [ch for ch in node if ch]
+            options = [] if "" in node else ['""']
+            options += [f"{literal(ch)} {rule(node[ch])}" for ch in children]
+            options.append(f'[^{"".join(_class_char(ch) for ch in children)}"\\\\\\x00-\\x1f] json-char*')
+            options.append('"\\\\" (["\\\\/bfnrt] | "u" hex hex hex hex) json-char*')
+            return self._rule(" | ".join(options))
+
+        return f'"\\"" {rule(trie)} "\\""'
+
     def _array(self, schema: Mapping[str, Any]) -> str:
         prefix_items = schema.get("prefixItems")
         prefix_items = prefix_items if isinstance(prefix_items, list) else []
@@ -306,7 +355,7 @@ class SchemaGrammar:
         if parts:  # prefix items in order, the first minItems of them required, then the further items
             inner = ""
             if rest_high != 0:
-                inner = f'(ws "," ws {item}){{{rest_low},{"" if rest_high is None else rest_high}}}'
+                inner = repeat(f'(ws "," ws {item})', rest_low, rest_high)
             required = min(low, len(parts))
             for i in reversed(range(len(parts))):
                 piece = f"{parts[i]} {inner}".strip()
@@ -316,9 +365,9 @@ class SchemaGrammar:
             return f'"[" ws {inner} ws "]"'
         if rest_high == 0:
             return '"[" ws "]"'
-        more_high = "" if rest_high is None else rest_high - 1
-        following = f'(ws "," ws {item}){{{max(rest_low - 1, 0)},{more_high}}}'
-        inner = f"{item} {following}"
+        more_high = None if rest_high is None else rest_high - 1
+        following = f'(ws "," ws {item})'
+        inner = f"{item} {repeat(following, max(rest_low - 1, 0), more_high)}"
         if rest_low == 0:
             inner = f"({inner})?"
         return f'"[" ws {inner} ws "]"'
@@ -435,7 +484,7 @@ def _positive_range(low: int, high: int | None) -> list[str]:
 def _same_length(low: str, high: str) -> list[str]:
     """Alternatives for the digit strings from ``low`` to ``high``, both of the same length."""
     if low == high:
-        return [literal(low)]
+        return [text_literal(low)]
     rest = len(low) - 1
     if low == "0" * len(low) and high == "9" * len(high) and rest:
         return [f"[0-9]{{{len(low)}}}"]

@@ -28,7 +28,14 @@ from backends.deepseek.encoding import (
     DSML_PARAMETER_END,
     DSML_PARAMETER_START,
 )
-from backends.deepseek.json_grammar import BASE_RULES, SchemaGrammar, json_value_rules, literal
+from backends.deepseek.json_grammar import (
+    BASE_RULES,
+    SchemaGrammar,
+    json_value_rules,
+    literal,
+    repeat,
+    text_literal,
+)
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "ebnf")
 """``regex`` and ``ebnf`` are this gateway's extensions: ``{"type": "regex", "regex": "..."}`` and
@@ -292,8 +299,8 @@ def _raw_value(grammar: SchemaGrammar, schema: Any) -> str | None:
         schema = grammar.merged(schema)
     if "const" in schema or isinstance(schema.get("enum"), list):
         values = [schema["const"]] if "const" in schema else schema["enum"]
-        texts = [literal(v) for v in values if isinstance(v, str) and "<" not in v]
-        return f"({' | '.join(texts)})" if texts else None
+        texts = [text_literal(v) for v in values if isinstance(v, str) and "<" not in v]
+        return f"({' | '.join(f'({t})' for t in texts)})" if texts else None
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list):
             texts = [t for t in (_raw_value(grammar, branch) for branch in schema[key]) if t is not None]
@@ -304,7 +311,7 @@ def _raw_value(grammar: SchemaGrammar, schema: Any) -> str | None:
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     if not low and high is None:
         return "dsml-string"
-    return f"dsml-char{{{low},{'' if high is None else high}}}"
+    return repeat("dsml-char", low, high)
 
 
 _SHARED_RULES = [
