@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -73,7 +74,10 @@ class ChatTemplate(Protocol):
     """Renders chat messages into the model family's prompt (DeepSeek V4.1 for DeepInfer).
 
     ``features`` (optional) names the ``REQUEST_FEATURES`` it implements; the backend honours them.
+    ``output_markers``: the tags its output parser reads; the detokenizer keeps them even if they are special.
     """
+
+    output_markers: Sequence[str]
 
     def render(self, request: GenerateRequest, tokenizer: Tokenizer) -> ChatPrompt: ...
 
@@ -107,7 +111,9 @@ class EngineBackend:
             await self.driver.start()
             engine = self.driver.engine
             assert engine is not None
-            self._table = await asyncio.to_thread(TokenTable, engine.tokenizer)
+            self._table = await asyncio.to_thread(
+                functools.partial(TokenTable, engine.tokenizer, markers=self._chat_template.output_markers)
+            )
             self._started = True
         finally:
             self._starting = False
