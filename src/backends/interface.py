@@ -108,10 +108,15 @@ class Delta(NamedTuple):
 
 
 class Finish(NamedTuple):
-    """The choice is complete. ``reason`` is an OpenAI finish reason: stop, length, tool_calls."""
+    """The choice is complete. ``reason`` is an OpenAI finish reason: stop, length, tool_calls.
+
+    ``logprobs`` (when logprobs were asked for) covers the end-of-sequence token that ended the choice: it adds no
+    text but is counted in ``completion_tokens``, and the legacy completions format lists it.
+    """
 
     index: int
     reason: str
+    logprobs: Sequence[TokenLogprob] | None = None
 
 
 class Usage(NamedTuple):
@@ -122,12 +127,24 @@ class Usage(NamedTuple):
     reasoning_tokens: int | None = None  # of the completion tokens, those spent reasoning (when known)
 
 
+class PromptToken(NamedTuple):
+    """One prompt token as scored by the model: ``logprob`` is None for the first (nothing precedes it).
+
+    ``offset`` is where the token starts in the echoed prompt text, in characters.
+    """
+
+    token: str
+    bytes: list[int]
+    logprob: float | None
+    offset: int
+
+
 class PromptEcho(NamedTuple):
-    """The prompt text and its token logprobs, for ``echo`` on the completions API."""
+    """The prompt text, and with ``logprobs`` its tokens' logprobs, for ``echo`` on the completions API."""
 
     index: int
     text: str
-    logprobs: Sequence[TokenLogprob | None] | None = None
+    logprobs: Sequence[PromptToken] | None = None
 
 
 Event = Delta | Finish | Usage | PromptEcho

@@ -29,6 +29,7 @@ from backends.interface import (
     Finish,
     GenerateRequest,
     PromptEcho,
+    PromptToken,
     TokenLogprob,
     ToolCallDelta,
     TopLogprob,
@@ -151,8 +152,10 @@ class EngineBackend:
         prompt_ids, chat = await self._prompt_ids(request, engine)
         max_tokens = _resolve_max_tokens(request, len(prompt_ids), engine.max_model_len)
         sampling = request.sampling
+        score_only = max_tokens == 0  # echo with max_tokens 0: score the prompt, generate nothing
+        scoring = request.echo and sampling.logprobs
         params: dict[str, Any] = {
-            "max_tokens": max_tokens,
+            "max_tokens": max(1, max_tokens),  # engines generate at least one token; score_only drops it
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
@@ -161,6 +164,8 @@ class EngineBackend:
         }
         if chat is not None and chat.so_args is not None:
             params["so_args"] = chat.so_args
+        if scoring:
+            params["prompt_logprobs"] = True
         prompt_array = np.asarray(prompt_ids, dtype=np.int32)
         queue: asyncio.Queue[tuple[int, Sequence[EngineOutput] | BackendError]] = asyncio.Queue()
         put = queue.put_nowait
@@ -189,17 +194,32 @@ class EngineBackend:
             for index, engine_id in enumerate(engine_ids):
                 seed = None if sampling.seed is None else sampling.seed + index
                 self.driver.add(engine_id, {**params, "seq_seed": seed}, prompt_array, sink, index, request.user or "")
+            echo_text = ""
             if request.echo:
                 echo_text = request.prompt if request.prompt is not None else table.tokenizer.decode(prompt_ids)
-                for index in range(request.n):
-                    yield PromptEcho(index, echo_text)
+                if not scoring:  # the echo needs nothing from the engine: send it at once
+                    for index in range(request.n):
+                        yield PromptEcho(index, echo_text)
             remaining = request.n
+            echoed = [not scoring] * request.n
             while remaining:
                 index, item = await queue.get()
                 if isinstance(item, BackendError):
                     live.discard(engine_ids[index])
                     raise _blame_constraint(item, chat)
                 choice = choices[index]
+                if not echoed[index]:  # the prompt step's output carries the prompt logprobs
+                    echoed[index] = True
+                    if item[0].finished:
+                        _finish_reason(item[0])  # raises for a request that ended in error before it ran
+                    yield PromptEcho(index, echo_text, _prompt_tokens(table, prompt_ids, item[0].prompt_logprobs))
+                if score_only:
+                    remaining -= 1
+                    if not item[-1].finished:
+                        self.driver.abort([engine_ids[index]])
+                    live.discard(engine_ids[index])
+                    yield Finish(index, "length")
+                    continue
                 try:
                     delta, finish = choice.consume(item)
                 except InvalidRequestError as exc:
@@ -212,7 +232,10 @@ class EngineBackend:
                 if delta is not None:
                     yield delta
                 if finish is not None:
-                    yield Finish(index, finish)
+                    yield Finish(index, finish, choice.end_logprobs)
+            if score_only:
+                yield Usage(len(prompt_ids), 0, None)
+                return
             reasoning = sum(c.reasoning_tokens for c in choices) if make_parser is not None else None
             yield Usage(len(prompt_ids), sum(c.tokens for c in choices), reasoning)
         finally:
@@ -254,8 +277,36 @@ def _blame_constraint(error: BackendError, chat: ChatPrompt | None) -> BackendEr
     return error
 
 
+def _prompt_tokens(table: TokenTable, prompt_ids: Sequence[int], values: Sequence[float] | None) -> list[PromptToken]:
+    """The echoed prompt's tokens with their logprobs and character offsets in the echoed text.
+
+    The engine scores every token but the first (``values[i]`` is for ``prompt_ids[i + 1]``) and gives no
+    alternatives for prompt positions. Offsets count the characters each token's bytes start, so special tokens
+    that the text leaves out (BOS) take no room.
+    """
+    if values is None or len(values) != len(prompt_ids) - 1:
+        raise UpstreamError(
+            f"the engine returned {0 if values is None else len(values)} prompt logprobs for a prompt of "
+            f"{len(prompt_ids)} tokens"
+        )
+    text_of, raw_bytes_of, bytes_of = table.text_of, table.raw_bytes_of, table.bytes_of
+    pieces = [bytes_of[i] for i in prompt_ids]
+    joined = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+    starts_char = np.r_[0, np.cumsum((joined & 0xC0) != 0x80)]  # characters begun before each byte position
+    byte_starts = np.r_[0, np.cumsum([len(p) for p in pieces])[:-1]].astype(np.int64)
+    offsets = starts_char[byte_starts].tolist()
+    logprobs: list[float | None] = [None, *values]
+    return [
+        PromptToken(text_of[i], list(raw_bytes_of[i]), lp, off)
+        for i, lp, off in zip(prompt_ids, logprobs, offsets, strict=True)
+    ]
+
+
 def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len: int) -> int:
-    """The output bound sent to the engine: the client's, or the rest of the context (never DeepInfer's 16)."""
+    """The output bound sent to the engine: the client's, or the rest of the context (never DeepInfer's 16).
+
+    0 (score the prompt only) needs room for the one token an engine always generates.
+    """
     room = max_model_len - prompt_len
     asked = request.sampling.max_tokens
     if asked is None:
@@ -266,7 +317,7 @@ def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len
                 param="messages" if request.messages is not None else "prompt",
             )
         return room
-    if asked > room:
+    if max(asked, 1) > room:
         raise ContextLengthExceededError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} for the completion). "
@@ -286,6 +337,7 @@ class _Choice:
         "_reasoning_end",
         "_stop",
         "_table",
+        "end_logprobs",
         "index",
         "reasoning_tokens",
         "tokens",
@@ -310,6 +362,7 @@ class _Choice:
         self._reasoning_end = reasoning_end
         self.tokens = 0
         self.reasoning_tokens = 0
+        self.end_logprobs: list[TokenLogprob] | None = None  # the EOS that ended the choice, counted as output
 
     def consume(self, outputs: Sequence[EngineOutput]) -> tuple[Delta | None, str | None]:
         """Returns the delta to emit (if any) and the OpenAI finish reason once the choice is done."""
@@ -326,12 +379,15 @@ class _Choice:
         text = self._detok.push([o.token_id for o in real]) if real else ""
         if finish is not None:
             text += self._detok.flush()
+        matched = False
         if self._stop is not None:
             text, matched = self._stop.push(text)
             if matched:
                 finish = "stop"
             elif finish is not None:
                 text += self._stop.flush()
+        if self._logprobs and finish == FinishReason.STOP and last.finished and not matched:
+            self.end_logprobs = self._format_logprobs([last])
         logprobs = self._format_logprobs(real) if self._logprobs and real else None
         if self._parser is not None:
             return self._parse(text, real, logprobs, finish)

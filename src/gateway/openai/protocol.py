@@ -264,7 +264,7 @@ TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT, description="0 with echo: score the prompt only")
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
