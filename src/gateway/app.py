@@ -22,7 +22,7 @@ from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
 from gateway.router import ModelRouter
-from gateway.routes import admin, generate, models, operations
+from gateway.routes import admin, generate, models, operations, tokenize
 from gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
     install_error_handlers(app)
     app.include_router(generate.router)
     app.include_router(models.router)
+    app.include_router(tokenize.router)
     app.include_router(operations.router)
     app.include_router(admin.router)
     app.add_middleware(ApiKeyMiddleware, client_keys=config.server.client_keys(), admin_key=config.server.admin_api_key)

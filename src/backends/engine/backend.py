@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from backends.engine.detokenizer import IncrementalDetokenizer, TokenTable
 from backends.engine.driver import EngineDriver
-from backends.engine.protocol import Engine, EngineOutput, FinishReason, MetricSample
+from backends.engine.protocol import EOS_TOKEN_ID, Engine, EngineOutput, FinishReason, MetricSample
 from backends.engine.stop import StopMatcher
 from backends.errors import (
     BackendError,
@@ -30,6 +30,7 @@ from backends.interface import (
     GenerateRequest,
     PromptEcho,
     PromptToken,
+    TokenizerInfo,
     TokenLogprob,
     ToolCallDelta,
     TopLogprob,
@@ -44,6 +45,10 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree th
 
 LONG_PROMPT_CHARS = 16_384
 """Prompts longer than this are tokenized on a worker thread so the event loop never stalls on them."""
+LONG_DECODE_TOKENS = 4_096
+"""Token lists longer than this are decoded on a worker thread, for the same reason."""
+BOS_TOKEN_ID, PAD_TOKEN_ID = 0, 2
+"""DeepInfer's tokenizer policy: BOS 0, EOS 1 (``EOS_TOKEN_ID``), PAD 2."""
 
 
 class OutputParser(Protocol):
@@ -254,20 +259,68 @@ class EngineBackend:
             return ids, None
         if request.messages is not None:
             chat = self._chat_template.render(request, engine.tokenizer)
-            text = chat.text
-            add_special_tokens = False  # the chat template writes BOS itself
+            ids = await _encode(engine.tokenizer, chat.text, add_special_tokens=False)  # the template writes BOS
         else:
-            text = request.prompt or ""
-            add_special_tokens = True
-        tokenizer = engine.tokenizer
-        if len(text) > LONG_PROMPT_CHARS:
-            encoding = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
-        else:
-            encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        ids = encoding.ids
+            ids = await _encode(engine.tokenizer, request.prompt or "", add_special_tokens=True)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids, chat
+
+    # ---- TokenizingBackend ------------------------------------------------------------------------------------
+
+    def _ready_engine(self) -> Engine:
+        engine = self.driver.engine
+        if not self._started or engine is None:
+            raise UnavailableError(f"backend {self.name!r} is not ready: {self.readiness()[1]}")
+        return engine
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        engine = self._ready_engine()
+        tokenizer = engine.tokenizer
+        return TokenizerInfo(
+            tokenizer_class=f"tokenizers.{type(tokenizer).__name__}",
+            bos_token=tokenizer.id_to_token(BOS_TOKEN_ID),
+            eos_token=tokenizer.id_to_token(EOS_TOKEN_ID),
+            pad_token=tokenizer.id_to_token(PAD_TOKEN_ID),
+            vocab_size=engine.vocab_size,
+            max_model_len=engine.max_model_len,
+        )
+
+    async def tokenize(self, request: GenerateRequest, *, add_special_tokens: bool | None = None) -> list[int]:
+        engine = self._ready_engine()
+        if request.messages is not None:
+            reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
+            text = self._chat_template.render(request, engine.tokenizer).text
+            default = False  # the chat encoding writes BOS itself
+        else:
+            text = request.prompt or ""
+            default = True
+        special = default if add_special_tokens is None else add_special_tokens
+        return await _encode(engine.tokenizer, text, add_special_tokens=special)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        engine = self._ready_engine()
+        vocab = engine.vocab_size
+        if any(i < 0 or i >= vocab for i in token_ids):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens", code="invalid_token_id")
+        ids = list(token_ids)
+        decode = engine.tokenizer.decode
+        if len(ids) > LONG_DECODE_TOKENS:
+            return await asyncio.to_thread(decode, ids, skip_special_tokens=False)
+        return decode(ids, skip_special_tokens=False)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        id_to_token = self._ready_engine().tokenizer.id_to_token
+        return [id_to_token(i) or "" for i in token_ids]
+
+
+async def _encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    """Token ids of ``text``; long texts are encoded on a worker thread so the event loop never stalls."""
+    if len(text) > LONG_PROMPT_CHARS:
+        encoding = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    else:
+        encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return list(encoding.ids)
 
 
 def _blame_constraint(error: BackendError, chat: ChatPrompt | None) -> BackendError:
