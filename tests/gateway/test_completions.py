@@ -148,6 +148,22 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_and_generates_nothing(clien
     assert plain.choices[0].text == "Only the prompt" and plain.choices[0].logprobs is None
 
 
+def test_echo_with_logprobs_scores_every_prompt_of_a_list_for_every_choice(client: openai.OpenAI) -> None:
+    """lm-eval batches loglikelihood requests as a list of token-id prompts."""
+    prompts = [[0, 300, 301], [0, 400, 401, 402]]
+    completion = client.completions.create(
+        model=MODEL, prompt=prompts, n=2, max_tokens=1, echo=True, logprobs=1, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    scored = []
+    for choice in completion.choices:
+        prompt = prompts[choice.index // 2]
+        assert choice.logprobs is not None and len(choice.logprobs.token_logprobs) == len(prompt) + 1
+        scored.append(choice.logprobs.token_logprobs[: len(prompt)])
+    assert scored[0] == scored[1] and scored[2] == scored[3]  # a prompt scores the same for each of its choices
+    assert scored[0] != scored[2]
+
+
 def test_streamed_echo_with_logprobs_matches_the_whole_response(http: httpx.Client) -> None:
     body = {"model": MODEL, "prompt": "Streams of", "max_tokens": 5, "echo": True, "logprobs": 2, "seed": 3}
     whole = http.post("/v1/completions", json=body).json()["choices"][0]
