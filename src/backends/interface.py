@@ -134,7 +134,6 @@ class PromptToken(NamedTuple):
     """
 
     token: str
-    bytes: list[int]
     logprob: float | None
     offset: int
 

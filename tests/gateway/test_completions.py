@@ -148,6 +148,19 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_and_generates_nothing(clien
     assert plain.choices[0].text == "Only the prompt" and plain.choices[0].logprobs is None
 
 
+def test_a_long_prompt_is_scored_token_by_token_with_offsets_into_its_text(client: openai.OpenAI) -> None:
+    prompt = " ".join(f"Return the value of field {i} — ünïcödé." for i in range(80))
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    choice, usage = scored.choices[0], scored.usage
+    assert usage is not None and usage.prompt_tokens > 512 and choice.logprobs is not None
+    assert choice.text == prompt and len(choice.logprobs.tokens) == usage.prompt_tokens
+    offsets = choice.logprobs.text_offset
+    assert offsets[0] == offsets[1] == 0  # BOS takes no room in the text
+    assert offsets == sorted(offsets) and offsets[-1] < len(prompt)
+    words = [i for i, token in enumerate(choice.logprobs.tokens) if token == " value"]
+    assert words and all(prompt[offsets[i] : offsets[i] + 6] == " value" for i in words)
+
+
 def test_echo_with_logprobs_scores_every_prompt_of_a_list_for_every_choice(client: openai.OpenAI) -> None:
     """lm-eval batches loglikelihood requests as a list of token-id prompts."""
     prompts = [[0, 300, 301], [0, 400, 401, 402]]

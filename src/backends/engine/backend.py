@@ -47,6 +47,8 @@ LONG_PROMPT_CHARS = 16_384
 """Prompts longer than this are tokenized on a worker thread so the event loop never stalls on them."""
 LONG_DECODE_TOKENS = 4_096
 """Token lists longer than this are decoded on a worker thread, for the same reason."""
+INLINE_PROMPT_TOKENS = 512
+"""Echoed prompts with logprobs longer than this are formatted on a worker thread (microseconds per token)."""
 BOS_TOKEN_ID, PAD_TOKEN_ID = 0, 2
 """DeepInfer's tokenizer policy: BOS 0, EOS 1 (``EOS_TOKEN_ID``), PAD 2."""
 
@@ -217,7 +219,12 @@ class EngineBackend:
                     echoed[index] = True
                     if item[0].finished:
                         _finish_reason(item[0])  # raises for a request that ended in error before it ran
-                    yield PromptEcho(index, echo_text, _prompt_tokens(table, prompt_ids, item[0].prompt_logprobs))
+                    scores = item[0].prompt_logprobs
+                    if len(prompt_ids) > INLINE_PROMPT_TOKENS:
+                        entries = await asyncio.to_thread(_prompt_tokens, table, prompt_ids, scores)
+                    else:
+                        entries = _prompt_tokens(table, prompt_ids, scores)
+                    yield PromptEcho(index, echo_text, entries)
                 if score_only:
                     remaining -= 1
                     if not item[-1].finished:
@@ -342,17 +349,14 @@ def _prompt_tokens(table: TokenTable, prompt_ids: Sequence[int], values: Sequenc
             f"the engine returned {0 if values is None else len(values)} prompt logprobs for a prompt of "
             f"{len(prompt_ids)} tokens"
         )
-    text_of, raw_bytes_of, bytes_of = table.text_of, table.raw_bytes_of, table.bytes_of
+    text_of, bytes_of = table.text_of, table.bytes_of
     pieces = [bytes_of[i] for i in prompt_ids]
     joined = np.frombuffer(b"".join(pieces), dtype=np.uint8)
     starts_char = np.r_[0, np.cumsum((joined & 0xC0) != 0x80)]  # characters begun before each byte position
-    byte_starts = np.r_[0, np.cumsum([len(p) for p in pieces])[:-1]].astype(np.int64)
+    byte_starts = np.r_[0, np.cumsum(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)))[:-1]]
     offsets = starts_char[byte_starts].tolist()
     logprobs: list[float | None] = [None, *values]
-    return [
-        PromptToken(text_of[i], list(raw_bytes_of[i]), lp, off)
-        for i, lp, off in zip(prompt_ids, logprobs, offsets, strict=True)
-    ]
+    return list(map(PromptToken, [text_of[i] for i in prompt_ids], logprobs, offsets))
 
 
 def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len: int) -> int:
