@@ -204,7 +204,9 @@ def test_legacy_top_logprobs_always_contain_the_sampled_token(client: openai.Ope
     assert any(len(top) == 2 for top in logprobs.top_logprobs)
 
 
-def test_a_reply_ending_on_eos_lists_the_eos_it_counts(client: openai.OpenAI) -> None:
+def test_a_reply_ending_on_eos_lists_the_eos_it_counts(
+    client: openai.OpenAI, http: httpx.Client, schemas: OpenAISchemas
+) -> None:
     for seed in range(64):  # find a seed whose reply ends on EOS; fixed seeds make this deterministic
         completion = client.completions.create(
             model=MODEL, prompt="Return", max_tokens=40, temperature=1.0, seed=seed, logprobs=1
@@ -219,3 +221,13 @@ def test_a_reply_ending_on_eos_lists_the_eos_it_counts(client: openai.OpenAI) ->
     assert choice.logprobs.tokens[-1] == "<｜end▁of▁sentence｜>"
     assert choice.logprobs.text_offset[-1] == len(choice.text)  # it adds no text
     assert choice.logprobs.token_logprobs[-1] is not None and choice.logprobs.token_logprobs[-1] <= 0.0
+    # Streamed, the EOS entry rides on the frame that carries finish_reason.
+    body = {"model": MODEL, "prompt": "Return", "max_tokens": 40, "temperature": 1.0, "seed": seed, "logprobs": 1}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        chunks = [orjson.loads(p) for p in sse_payloads(response)[:-1]]
+    for chunk in chunks:
+        schemas.check_completion_chunk(chunk)
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and last["logprobs"]["tokens"] == ["<｜end▁of▁sentence｜>"]
+    streamed = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])]
+    assert streamed == choice.logprobs.tokens
