@@ -7,7 +7,7 @@ import openai
 import orjson
 
 from ..conformance import OpenAISchemas
-from ..conftest import MODEL
+from ..conftest import MODEL, TINY_CONTEXT, TINY_MODEL
 from .test_chat import sse_payloads
 
 
@@ -146,6 +146,15 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_and_generates_nothing(clien
     assert prefix.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs[:4]
     plain = client.completions.create(model=MODEL, prompt="Only the prompt", max_tokens=0, echo=True)
     assert plain.choices[0].text == "Only the prompt" and plain.choices[0].logprobs is None
+
+
+def test_scoring_a_prompt_longer_than_the_context_is_a_context_length_error(http: httpx.Client) -> None:
+    prompt = [0] + [300] * TINY_CONTEXT
+    for extra in ({"echo": True, "logprobs": 0}, {"echo": True}, {}):
+        body = {"model": TINY_MODEL, "prompt": prompt, "max_tokens": 0, **extra}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_a_long_prompt_is_scored_token_by_token_with_offsets_into_its_text(client: openai.OpenAI) -> None:

@@ -227,7 +227,9 @@ class EngineBackend:
                     yield PromptEcho(index, echo_text, entries)
                 if score_only:
                     remaining -= 1
-                    if not item[-1].finished:
+                    if item[-1].finished:
+                        _finish_reason(item[-1])  # raises for a request the engine refused (context, resources)
+                    else:
                         self.driver.abort([engine_ids[index]])
                     live.discard(engine_ids[index])
                     yield Finish(index, "length")
