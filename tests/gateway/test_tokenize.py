@@ -85,3 +85,17 @@ def test_bad_tokenizer_requests_are_openai_errors_naming_the_field(http: httpx.C
         if param is not None:
             assert error["param"] == param, (body, error)
     assert http.get("/tokenizer_info", params={"model": "nope"}).status_code == 404
+
+
+def test_tokenizer_requests_are_counted_by_endpoint_and_status(http: httpx.Client) -> None:
+    def count(endpoint: str, status: str) -> float:
+        line = f'gateway_tokenizer_requests_total{{endpoint="{endpoint}",status="{status}"}} '
+        for row in http.get("/metrics").text.splitlines():
+            if row.startswith(line):
+                return float(row.removeprefix(line))
+        return 0.0
+
+    ok, missing = count("tokenize", "200"), count("detokenize", "404")
+    tokenize(http, prompt="counted")
+    assert http.post("/detokenize", json={"model": "nope", "tokens": [1]}).status_code == 404
+    assert count("tokenize", "200") == ok + 1 and count("detokenize", "404") == missing + 1

@@ -8,14 +8,16 @@ the first configured model answers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from backends.errors import ModelNotFoundError
+from backends.errors import BackendError, ModelNotFoundError
 from backends.interface import GenerateRequest, TokenizingBackend
-from gateway.errors import APIError
+from gateway.errors import APIError, api_error_from_backend
 from gateway.openai.protocol import ChatMessage
 from gateway.state import GatewayState, gateway_state
 
@@ -48,6 +50,23 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+
+
+@contextmanager
+def _counted(state: GatewayState, endpoint: str) -> Iterator[None]:
+    """Counts the request in ``gateway_tokenizer_requests_total`` with the status it ends with."""
+    status = 500
+    try:
+        yield
+        status = 200
+    except APIError as exc:
+        status = exc.status
+        raise
+    except BackendError as exc:
+        status = api_error_from_backend(exc).status
+        raise
+    finally:
+        state.metrics.tokenizer_requests.labels(endpoint, str(status)).inc()
 
 
 def _backend(state: GatewayState, model: str | None) -> tuple[str, TokenizingBackend]:
@@ -85,28 +104,32 @@ def _check_chat_options(body: TokenizeRequest) -> None:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state = gateway_state(request)
-    _check_chat_options(body)
-    name, backend = _backend(state, body.model)
-    generate = GenerateRequest(
-        request_id=request.state.request_id,
-        model=name,
-        messages=[m.model_dump(exclude_none=True) for m in body.messages] if body.messages is not None else None,
-        prompt=body.prompt,
-        tools=body.tools,
-        chat_template_kwargs=body.chat_template_kwargs,
-    )
-    ids = await backend.tokenize(generate, add_special_tokens=body.add_special_tokens)
-    info = backend.tokenizer_info()
-    result: dict[str, Any] = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
-    if body.return_token_strs:
-        result["token_strs"] = backend.token_strings(ids)
-    return result
+    with _counted(state, "tokenize"):
+        _check_chat_options(body)
+        name, backend = _backend(state, body.model)
+        messages = body.messages
+        generate = GenerateRequest(
+            request_id=request.state.request_id,
+            model=name,
+            messages=[m.model_dump(exclude_none=True) for m in messages] if messages is not None else None,
+            prompt=body.prompt,
+            tools=body.tools,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        ids = await backend.tokenize(generate, add_special_tokens=body.add_special_tokens)
+        info = backend.tokenizer_info()
+        result: dict[str, Any] = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            result["token_strs"] = backend.token_strings(ids)
+        return result
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-    _, backend = _backend(gateway_state(request), body.model)
-    return {"prompt": await backend.detokenize(body.tokens)}
+    state = gateway_state(request)
+    with _counted(state, "detokenize"):
+        _, backend = _backend(state, body.model)
+        return {"prompt": await backend.detokenize(body.tokens)}
 
 
 @router.get("/tokenizer_info")
@@ -116,8 +139,10 @@ async def tokenizer_info(request: Request, model: Annotated[str | None, Query()]
     There is no ``chat_template``: the DeepSeek V4.1 encoding is code, not a Jinja template; send ``messages`` to
     ``/tokenize`` instead.
     """
-    _, backend = _backend(gateway_state(request), model)
-    info = backend.tokenizer_info()
+    state = gateway_state(request)
+    with _counted(state, "tokenizer_info"):
+        _, backend = _backend(state, model)
+        info = backend.tokenizer_info()
     return {
         "tokenizer_class": info.tokenizer_class,
         "bos_token": info.bos_token,
