@@ -23,7 +23,7 @@ from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
 from gateway.router import ModelRouter
-from gateway.routes import admin, generate, models, operations
+from gateway.routes import admin, generate, models, operations, tokenize
 from gateway.state import GatewayState
 from gateway.state_store import SharedStateStore
 
@@ -93,6 +93,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(generate.router)
     app.include_router(models.router)
+    app.include_router(tokenize.router)
     app.include_router(operations.router)
     app.include_router(admin.router)
     app.add_middleware(ApiKeyMiddleware, client_keys=config.server.client_keys(), admin_key=config.server.admin_api_key)

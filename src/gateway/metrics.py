@@ -94,6 +94,12 @@ class GatewayMetrics:
         self.requests = Counter(
             "gateway_requests", "Finished requests by HTTP status.", (*labels, "status"), registry=r
         )
+        self.tokenizer_requests = Counter(
+            "gateway_tokenizer_requests",
+            "Requests handled by /tokenize, /detokenize and /tokenizer_info, by HTTP status.",
+            ("endpoint", "status"),
+            registry=r,
+        )
         self.ttft = Histogram(
             "gateway_time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=r
         )

@@ -123,7 +123,6 @@ BAD_COMPLETIONS = [
     pytest.param({"prompt": []}, "prompt", id="empty-prompt-list"),
     pytest.param({"prompt": [[-1, 5]]}, None, id="negative-token-id"),
     pytest.param({"prompt": [10**7]}, "prompt", id="token-id-outside-vocab"),
-    pytest.param({"prompt": "x", "echo": True, "logprobs": 1}, "echo", id="echo-with-logprobs"),
     pytest.param({"prompt": "x", "max_tokens": -3}, "max_tokens", id="negative-max-tokens"),
     pytest.param({}, "prompt", id="missing-prompt"),
 ]

@@ -29,6 +29,9 @@ class EngineOutput(NamedTuple):
     token_logprob: float
     top_logprobs: Sequence[float]
     top_token_ids: Sequence[int]
+    prompt_logprobs: Sequence[float] | None = None
+    """On a request's first output, when it asked for ``prompt_logprobs``: element ``i`` is the logprob of prompt
+    token ``i + 1`` given the tokens before it (DeepInfer's ``get_prompt_logprobs``, ``prompt_len - 1`` floats)."""
 
 
 class FinishReason:
@@ -62,7 +65,7 @@ class Engine(Protocol):
 
     Every method is called from the driver's one engine thread, which also constructs the engine.
     ``sampling_params`` follows DeepInfer's ``SamplingParams`` keyword contract (temperature, top_p, top_k,
-    ignore_eos, max_tokens, top_logprobs, seq_seed, so_args, ...); unknown keys raise ``TypeError``.
+    ignore_eos, max_tokens, top_logprobs, prompt_logprobs, seq_seed, so_args, ...); unknown keys raise ``TypeError``.
     """
 
     max_model_len: int

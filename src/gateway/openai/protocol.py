@@ -441,7 +441,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | TokenIds | list[Annotated[TokenIds, Field(min_length=1)]] | None = Field(
         description="null is OpenAI's default, the start of a document: generation from an empty prompt"
     )
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT, description="0 with echo: score the prompt only")
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None

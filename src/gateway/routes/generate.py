@@ -141,8 +141,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = body.prompts()
     if len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts are allowed in one request.", param="prompt")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported yet.", param="echo")
     reserve = body.max_tokens * len(prompts) * body.n if body.max_tokens is not None else None
     admission = await _admit_client(request, state, reserve)
     sampling = body.sampling_options(

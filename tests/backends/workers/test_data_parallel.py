@@ -225,3 +225,15 @@ def test_lockstep_rank_death_restarts_the_whole_group(dp_gateway: RunningGateway
     new_pids = [r.process.pid for r in driver.ranks if r.process is not None]
     assert len(new_pids) == 3 and not set(new_pids) & set(old_pids)
     assert chat(http, "lockstep", "the group is back", 5)["choices"][0]["finish_reason"] == "length"
+
+
+def test_prompt_scoring_and_tokenizing_work_through_rank_workers(http: httpx.Client) -> None:
+    """Prompt logprobs cross the worker wire with the first output; the dispatcher's tokenizer serves /tokenize."""
+    tokens = http.post("/tokenize", json={"model": "dp", "prompt": "Return the value"}).json()["tokens"]
+    for model in ("dp", "lockstep"):
+        body = {"model": model, "prompt": tokens, "max_tokens": 0, "echo": True, "logprobs": 0}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        logprobs = response.json()["choices"][0]["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(tokens) and logprobs["token_logprobs"][0] is None
+        assert all(isinstance(v, float) and v <= 0.0 for v in logprobs["token_logprobs"][1:])
