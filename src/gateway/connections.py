@@ -88,6 +88,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._header_bytes: int | None = 0  # bytes of the current request's head so far; None while not in a head
         self._closing: asyncio.TimerHandle | None = None  # set while lingering before the close
+        self._head_too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         guard = self.guard
@@ -119,11 +120,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused or self._closing is not None:
             return  # refused, or answered and lingering: the rest is dropped
         if self._header_bytes is not None:
-            self._header_bytes += len(data)
-            if self._header_bytes > self.guard.limits.max_header_bytes:
-                self._close(_TOO_LARGE_RESPONSE, HEADER_TOO_LARGE)
-                return
+            self._header_bytes += len(data)  # may include the start of the body; only checked while in the head
         super().data_received(data)
+        if self._head_too_large or (
+            self._header_bytes is not None and self._header_bytes > self.guard.limits.max_header_bytes
+        ):
+            self._close(_TOO_LARGE_RESPONSE, HEADER_TOO_LARGE)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -133,7 +135,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         self._header_bytes = None
+        head = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if head > self.guard.limits.max_header_bytes:
+            self._head_too_large = True  # no request cycle starts; data_received answers 431 after the parse
+            return
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._head_too_large:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._head_too_large:
+            super().on_message_complete()
 
     def on_response_complete(self) -> None:
         self._header_bytes = 0  # the next bytes are the next request's head (uvicorn's keep-alive timer runs now)

@@ -147,13 +147,22 @@ def test_requests_slower_than_the_header_timeout_are_not_cut_once_their_headers_
             assert response.json()["usage"]["completion_tokens"] == 100  # 100 steps of 10 ms: over header_timeout
 
 
-def test_oversized_headers_get_431_and_the_connection_is_closed(strict: Served) -> None:
+@pytest.mark.parametrize("complete", [True, False], ids=["whole-head", "head-never-ends"])
+def test_oversized_headers_get_431_and_the_connection_is_closed(strict: Served, complete: bool) -> None:
     before = closed_for(strict, "header_too_large")
+    head = b"GET /health HTTP/1.1\r\nHost: gateway\r\nX-Big: " + b"a" * 70_000
     with strict.connect() as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: gateway\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
+        sock.sendall(head + b"\r\n\r\n" if complete else head)
         answer = read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 431 ")
     assert closed_for(strict, "header_too_large") == before + 1
+
+
+def test_a_body_much_larger_than_max_header_bytes_is_not_mistaken_for_headers(strict: Served) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 1}
+    response = httpx.post(f"{strict.base_url}/v1/chat/completions", json=body, timeout=SAFETY_SECONDS)
+    assert response.status_code == 400  # read whole, then refused for the context, not for its headers
+    assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_connections_past_max_connections_get_503_until_one_closes() -> None:
