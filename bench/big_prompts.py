@@ -5,7 +5,9 @@ message is ``--mib`` MiB of text (under the 8 MiB body limit), and meanwhile ask
 ``--health-every`` seconds from another thread. Reports the latency of those ``/health`` answers (p50, p99, max),
 the gateway's RSS before, at its peak and ``--settle`` seconds after the big requests ended, and each big
 request's status and duration. Two context sizes: the default (the prompt cannot fit and is refused at once) and
-``--max-model-len`` large enough that the whole prompt is tokenized before it is refused. Loopback only.
+``--max-model-len`` large enough that the whole prompt is tokenized before it is refused (``--rounds`` bursts of
+prompts in the first case, one in the second). ``/health`` is also probed for ``--idle`` seconds before the load:
+that is the floor the machine itself sets (other processes, CPU contention). Loopback only.
 
 Usage: ``python bench/big_prompts.py --prompts 4 --mib 7``.
 """
@@ -72,7 +74,15 @@ def percentile(values: list[float], share: float) -> float:
 
 
 def run_case(
-    *, label: str, max_model_len: int | None, prompts: int, mib: float, health_every: float, settle: float
+    *,
+    label: str,
+    max_model_len: int | None,
+    prompts: int,
+    mib: float,
+    rounds: int,
+    health_every: float,
+    settle: float,
+    idle: float,
 ) -> dict[str, Any]:
     backend: dict[str, Any] = {"name": "reference", "kind": "reference"}
     if max_model_len is not None:
@@ -95,19 +105,27 @@ def run_case(
         health_errors = 0
         peak = rss_before
 
-        def probe() -> None:
+        def probe(samples: list[float], until: threading.Event) -> None:
             nonlocal health_errors, peak
             with httpx.Client(base_url=base_url, timeout=30) as http:
-                while not done.is_set():
+                while not until.is_set():
                     started = time.perf_counter()
                     try:
                         ok = http.get("/health").status_code == 200
                     except httpx.HTTPError:
                         ok = False
-                    health_ms.append((time.perf_counter() - started) * 1000)
+                    samples.append((time.perf_counter() - started) * 1000)
                     health_errors += not ok
                     peak = max(peak, rss_mib(process.pid))
                     time.sleep(health_every)
+
+        idle_ms: list[float] = []
+        quiet = threading.Event()
+        idle_prober = threading.Thread(target=probe, args=(idle_ms, quiet))
+        idle_prober.start()
+        time.sleep(idle)
+        quiet.set()
+        idle_prober.join()
 
         def send(body: bytes) -> tuple[int, float]:
             started = time.perf_counter()
@@ -115,10 +133,12 @@ def run_case(
                 response = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
             return response.status_code, time.perf_counter() - started
 
-        prober = threading.Thread(target=probe)
+        prober = threading.Thread(target=probe, args=(health_ms, done))
         prober.start()
+        results: list[tuple[int, float]] = []
         with ThreadPoolExecutor(prompts) as pool:
-            results = list(pool.map(send, bodies))
+            for _ in range(rounds):
+                results += pool.map(send, bodies)
         done.set()
         prober.join()
         time.sleep(settle)
@@ -130,8 +150,10 @@ def run_case(
     return {
         "case": label,
         "max_model_len": max_model_len or 4096,
+        "requests": len(results),
         "statuses": sorted({status for status, _ in results}),
         "big_request_seconds_max": round(max(seconds for _, seconds in results), 2),
+        "idle_health_p99_ms": round(percentile(idle_ms, 0.99), 2),
         "health_probes": len(health_ms),
         "health_errors": health_errors,
         "health_p50_ms": round(percentile(health_ms, 0.50), 2),
@@ -147,6 +169,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=4, help="concurrent big chat requests")
     parser.add_argument("--mib", type=float, default=7.0, help="size of each message, MiB")
+    parser.add_argument("--rounds", type=int, default=10, help="bursts of prompts in the first case")
+    parser.add_argument("--idle", type=float, default=5.0, help="seconds of /health probes before the load")
     parser.add_argument("--health-every", type=float, default=0.01, help="seconds between /health probes")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds after the load before RSS is read")
     parser.add_argument(
@@ -157,10 +181,16 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/big_prompts.json"))
     args = parser.parse_args()
-    common = {"prompts": args.prompts, "mib": args.mib, "health_every": args.health_every, "settle": args.settle}
+    common = {
+        "prompts": args.prompts,
+        "mib": args.mib,
+        "health_every": args.health_every,
+        "settle": args.settle,
+        "idle": args.idle,
+    }
     rows = [
-        run_case(label="default context", max_model_len=None, **common),
-        run_case(label="tokenized in full", max_model_len=args.max_model_len, **common),
+        run_case(label="default context", max_model_len=None, rounds=args.rounds, **common),
+        run_case(label="tokenized in full", max_model_len=args.max_model_len, rounds=1, **common),
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))
