@@ -9,6 +9,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from backends.heap import cap_mmap_threshold
 from gateway.app import create_app
 from gateway.config import GatewayConfig, ServerConfig
 from gateway.connections import ConnectionGuard, ConnectionLimits
@@ -34,6 +35,7 @@ def run_server(settings: GatewayConfig) -> None:
     # The engine thread and the event loop share the GIL. With the default 5 ms switch interval, every numpy or
     # C++ call that releases the GIL on the engine thread can wait up to 5 ms to get it back from a busy loop.
     sys.setswitchinterval(settings.server.gil_switch_interval)
+    cap_mmap_threshold()  # multi-MiB bodies and prompts go back to the OS when freed (backends/heap.py)
     app = create_app(settings)
     config = uvicorn_config(settings, app, connection_guard(settings.server, app))
     DrainingServer(config, on_exit=app.state.gateway.begin_drain).run()

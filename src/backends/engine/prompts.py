@@ -13,10 +13,6 @@ and handed to ``add_request`` ready.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
@@ -27,9 +23,8 @@ from tokenizers import Tokenizer
 from backends.engine.detokenizer import TokenTable
 from backends.engine.protocol import Engine, StructuredOutputCompiler
 from backends.errors import ContextLengthExceededError, InvalidRequestError
+from backends.heap import release_free_heap
 from backends.interface import GenerateRequest, ToolCallDelta
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_PREPARE_THREADS = 2
 TRIM_AFTER_CHARS = 1 << 20
@@ -171,31 +166,3 @@ def _max_token_bytes(tokenizer: Tokenizer, table: TokenTable) -> int | None:
     if not table.byte_level or tokenizer.normalizer is not None:
         return None
     return max((len(raw) for raw in table.raw_bytes_of), default=0) or None
-
-
-_trim_lock = threading.Lock()
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim  # type: ignore[no-any-return]
-
-
-_malloc_trim = _load_malloc_trim()
-
-
-def release_free_heap() -> None:
-    """Give the heap that a huge tokenization freed back to the OS (glibc's ``malloc_trim``), so RSS falls again."""
-    if _malloc_trim is not None and _trim_lock.acquire(blocking=False):
-        try:
-            _malloc_trim(0)
-        finally:
-            _trim_lock.release()
