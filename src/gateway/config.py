@@ -72,6 +72,9 @@ class ServerConfig(BaseModel):
         2048, ge=1, description="open HTTP connections; past it a new connection gets 503 and is closed"
     )
     keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection is kept")
+    json_parse_processes: int = Field(
+        1, ge=0, le=32, description="child processes that parse request bodies of 512 KiB or more; 0: the event loop"
+    )
     max_messages: int = Field(2048, ge=1, description="upper bound for messages in a chat request")
     max_tools: int = Field(128, ge=0, description="upper bound for tools in a chat request")
 
