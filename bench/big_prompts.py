@@ -15,6 +15,7 @@ Usage: ``python bench/big_prompts.py --prompts 4 --mib 7``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import threading
@@ -54,6 +55,16 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def children_rss_mib(pid: int) -> float:
+    """RSS of the gateway's child processes (the JSON body parsers)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(OSError):  # the child just exited
+                total += rss_mib(int(child))
+    return total
 
 
 def message_text(mib: float, seed: int) -> str:
@@ -143,6 +154,7 @@ def run_case(
         prober.join()
         time.sleep(settle)
         rss_after = rss_mib(process.pid)
+        children_after = children_rss_mib(process.pid)
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -162,6 +174,7 @@ def run_case(
         "rss_before_mib": round(rss_before, 1),
         "rss_peak_mib": round(peak, 1),
         "rss_after_mib": round(rss_after, 1),
+        "children_rss_after_mib": round(children_after, 1),
     }
 
 
