@@ -17,6 +17,7 @@ from backends.registry import BackendKindUnavailableError, build_backend
 from gateway import __version__
 from gateway.admission import admitted
 from gateway.auth import ApiKeyMiddleware
+from gateway.bodies import JSONBodyParser
 from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
 from gateway.limits import KeyLimits
@@ -63,6 +64,7 @@ def create_app(
         limits=KeyLimits(server, store=store, processes=server.workers),
         store=store,
     )
+    json_parser = JSONBodyParser(config.server.json_parse_processes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -84,12 +86,14 @@ def create_app(
                 await store.close()
             await state.router.aclose()  # shadow requests: cancelled, they never hold the shutdown up
             await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
+            json_parser.close()
             metrics.close()
 
     # Streams end when they are done or when uvicorn's drain timeout cancels them, never at the first SIGTERM.
     AppStatus.disable_automatic_graceful_drain()
     app = FastAPI(title="deepinfer-gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = state
+    app.state.json_parser = json_parser  # read by the generation routes' OffloadedJSONRoute
     install_error_handlers(app)
     app.include_router(generate.router)
     app.include_router(models.router)

@@ -17,10 +17,13 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 from prometheus_client import multiprocess
 
+from backends.heap import cap_mmap_threshold
 from gateway.app import create_app
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, ServerConfig
+from gateway.connections import ConnectionGuard, ConnectionLimits
 from gateway.logs import configure_logging
 from gateway.metrics import MULTIPROCESS_DIR_ENV
 
@@ -49,18 +52,31 @@ def _serve(settings: GatewayConfig, sockets: list[socket.socket] | None = None) 
     # The engine thread and the event loop share the GIL. With the default 5 ms switch interval, every numpy or
     # C++ call that releases the GIL on the engine thread can wait up to 5 ms to get it back from a busy loop.
     sys.setswitchinterval(settings.server.gil_switch_interval)
+    cap_mmap_threshold()  # multi-MiB bodies and prompts go back to the OS when freed (backends/heap.py)
     app = create_app(settings, serve_once_started=settings.server.workers > 1)
-    config = uvicorn.Config(
+    config = uvicorn_config(settings, app, connection_guard(settings.server, app))
+    DrainingServer(config, on_exit=app.state.gateway.begin_drain).run(sockets=sockets)
+
+
+def connection_guard(server: ServerConfig, app: FastAPI) -> ConnectionGuard:
+    """The connection limits of ``server``, counted in the app's metrics."""
+    limits = ConnectionLimits(server.header_timeout, server.max_header_bytes, server.max_connections)
+    return ConnectionGuard(limits, app.state.gateway.metrics.registry)
+
+
+def uvicorn_config(settings: GatewayConfig, app: FastAPI, guard: ConnectionGuard) -> uvicorn.Config:
+    """uvicorn as the gateway runs it: uvloop, httptools behind the connection limits of ``guard``."""
+    return uvicorn.Config(
         app,
         host=settings.server.host,
         port=settings.server.port,
         loop="uvloop",
-        http="httptools",
+        http=guard.protocol(),
         log_config=None,
         access_log=False,
+        timeout_keep_alive=settings.server.keep_alive_timeout,
         timeout_graceful_shutdown=settings.server.drain_seconds,
     )
-    DrainingServer(config, on_exit=app.state.gateway.begin_drain).run(sockets=sockets)
 
 
 def run_server(settings: GatewayConfig) -> None:

@@ -7,13 +7,17 @@ import functools
 import importlib.metadata
 import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, NamedTuple, Protocol
-
-import numpy as np
-from tokenizers import Tokenizer
+from typing import Any
 
 from backends.engine.detokenizer import IncrementalDetokenizer, TokenTable
 from backends.engine.driver import EngineDriver
+from backends.engine.prompts import (
+    DEFAULT_PREPARE_THREADS,
+    ChatPrompt,
+    ChatTemplate,
+    OutputParser,
+    PromptPreparer,
+)
 from backends.engine.protocol import EOS_TOKEN_ID, Engine, EngineOutput, FinishReason, MetricSample
 from backends.engine.stop import StopMatcher
 from backends.errors import (
@@ -54,42 +58,6 @@ BOS_TOKEN_ID, PAD_TOKEN_ID = 0, 2
 """DeepInfer's tokenizer policy: BOS 0, EOS 1 (``EOS_TOKEN_ID``), PAD 2."""
 
 
-class OutputParser(Protocol):
-    """The model family's parser of one choice's text into reasoning, content and tool calls, fed per step."""
-
-    @property
-    def in_reasoning(self) -> bool: ...
-
-    @property
-    def called(self) -> bool: ...
-
-    def push(self, text: str) -> tuple[str, str, Sequence[ToolCallDelta]]: ...
-
-    def finish(self) -> tuple[str, str, Sequence[ToolCallDelta]]: ...
-
-
-class ChatPrompt(NamedTuple):
-    """A rendered chat request: prompt text plus what decoding and output parsing need for it."""
-
-    text: str
-    parser: Callable[[], OutputParser] | None = None  # one parser per choice
-    so_args: dict[str, Any] | None = None  # DeepInfer structured-output arguments
-    so_param: str | None = None  # the request field that asked for constrained decoding, for error messages
-    reasoning_end_token: int | None = None  # id of the token that closes reasoning, to count reasoning tokens
-
-
-class ChatTemplate(Protocol):
-    """Renders chat messages into the model family's prompt (DeepSeek V4.1 for DeepInfer).
-
-    ``features`` (optional) names the ``REQUEST_FEATURES`` it implements; the backend honours them.
-    ``output_markers``: the tags its output parser reads; the detokenizer keeps them even if they are special.
-    """
-
-    output_markers: Sequence[str]
-
-    def render(self, request: GenerateRequest, tokenizer: Tokenizer) -> ChatPrompt: ...
-
-
 class EngineBackend:
     """Serves requests from one in-process engine driven by an ``EngineDriver``."""
 
@@ -102,12 +70,14 @@ class EngineBackend:
         kind: str,
         engine_factory: Callable[[], Engine],
         chat_template: ChatTemplate,
+        *,
+        prepare_threads: int = DEFAULT_PREPARE_THREADS,
     ) -> None:
         self.name = name
         self.kind = kind
         self.supported_features = type(self).supported_features | getattr(chat_template, "features", frozenset())
         self.driver = EngineDriver(engine_factory, name=name)
-        self._chat_template = chat_template
+        self._prompts = PromptPreparer(chat_template, threads=prepare_threads, name=name)
         self._table: TokenTable | None = None
         self._ids = itertools.count()
         self._started = False
@@ -122,12 +92,14 @@ class EngineBackend:
             self._table = await asyncio.to_thread(
                 functools.partial(TokenTable, engine.tokenizer, markers=self._chat_template.output_markers)
             )
+            self._prompts.start(engine, self._table)
             self._started = True
         finally:
             self._starting = False
 
     async def stop(self) -> None:
         self._started = False
+        self._prompts.stop()
         await self.driver.stop()
 
     def readiness(self) -> tuple[bool, str]:
@@ -162,7 +134,8 @@ class EngineBackend:
         engine = self.driver.engine
         assert table is not None and engine is not None
         reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
-        prompt_ids, chat = await self._prompt_ids(request, engine)
+        prompt = await self._prompts.prepare(request)
+        prompt_ids, chat = prompt.ids, prompt.chat
         max_tokens = _resolve_max_tokens(request, len(prompt_ids), engine.max_model_len)
         sampling = request.sampling
         score_only = max_tokens == 0  # echo with max_tokens 0: score the prompt, generate nothing
@@ -175,8 +148,8 @@ class EngineBackend:
             "ignore_eos": sampling.ignore_eos,
             "top_logprobs": sampling.top_logprobs if sampling.logprobs else 0,
         }
-        if chat is not None and chat.so_args is not None:
-            params["so_args"] = chat.so_args
+        if prompt.so_args is not None:
+            params["so_args"] = prompt.so_args
         if scoring:
             params["prompt_logprobs"] = True
         prompt_array = np.asarray(prompt_ids, dtype=np.int32)
@@ -209,7 +182,9 @@ class EngineBackend:
                 self.driver.add(engine_id, {**params, "seq_seed": seed}, prompt_array, sink, index, request.user or "")
             echo_text = ""
             if request.echo:
-                echo_text = request.prompt if request.prompt is not None else table.tokenizer.decode(prompt_ids)
+                echo_text = (
+                    request.prompt if request.prompt is not None else table.tokenizer.decode(prompt_ids.tolist())
+                )
                 if not scoring:  # the echo needs nothing from the engine: send it at once
                     for index in range(request.n):
                         yield PromptEcho(index, echo_text)
@@ -261,25 +236,6 @@ class EngineBackend:
         finally:
             if live:
                 self.driver.abort(list(live))
-
-    async def _prompt_ids(self, request: GenerateRequest, engine: Engine) -> tuple[list[int], ChatPrompt | None]:
-        chat: ChatPrompt | None = None
-        if request.prompt_token_ids is not None:
-            ids = request.prompt_token_ids
-            vocab = engine.vocab_size
-            if any(i < 0 or i >= vocab for i in ids):
-                raise InvalidRequestError(
-                    f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_token_id"
-                )
-            return ids, None
-        if request.messages is not None:
-            chat = self._chat_template.render(request, engine.tokenizer)
-            ids = await _encode(engine.tokenizer, chat.text, add_special_tokens=False)  # the template writes BOS
-        else:
-            ids = await _encode(engine.tokenizer, request.prompt or "", add_special_tokens=True)
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        return ids, chat
 
     # ---- TokenizingBackend ------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ module sees only plain records, so the CPU reference engine exercises the exact 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -92,3 +92,15 @@ class Engine(Protocol):
     def flush_inflight_reqs(self) -> Sequence[EngineOutput]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class StructuredOutputCompiler(Protocol):
+    """An engine that compiles ``so_args`` grammars on any thread, ahead of ``add_request``.
+
+    The backend calls ``compile_so_args`` on its preparation pool (never on the engine thread) and passes what it
+    returns as ``so_args``: still the same mapping, now carrying the compiled grammar, so that ``add_request`` on
+    the engine thread only copies it. DeepInfer compiles on its own thread pool and needs no such method.
+    """
+
+    def compile_so_args(self, so_args: Mapping[str, Any]) -> Mapping[str, Any]: ...

@@ -8,8 +8,10 @@ An optional timing model (seconds per prefill token, per decode step, tokens acc
 like a GPU deployment for load tests. Each step samples the whole batch with a few numpy calls.
 
 Structured outputs (``so_args``, see ``structured``) follow DeepInfer's contract, with these differences: the
-grammar is compiled synchronously inside ``add_request`` (DeepInfer compiles on a thread pool and enqueues the
-request from a later ``step()``, so until then ``abort_request`` cannot see it); a schema that fails to compile
+grammar is compiled before ``add_request`` by ``compile_so_args``, which the gateway calls on its preparation pool
+(``so_args`` that did not go through it are compiled synchronously inside ``add_request``); DeepInfer compiles on
+its own thread pool and enqueues the request from a later ``step()``, so until then ``abort_request`` cannot see
+it, while here the request is queued at once. A schema that fails to compile
 still ends the request asynchronously, with one synthetic ``FINISHED_SO_FAILED`` output (last prompt token) at the
 next step, and ``abort_request`` does not count it, as with a pending compile. A grammar failing mid-generation
 emits token 0 with that finish reason. There is no KV-cache preemption here, so "structured requests are stopped
@@ -22,7 +24,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
@@ -245,6 +247,11 @@ class ReferenceEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
+    def compile_so_args(self, so_args: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Compiles the grammar of ``so_args`` on the calling thread, for ``add_request`` to pick up (thread-safe:
+        ``StructuredOutputCompiler``, called from the gateway's preparation pool, never from the engine thread)."""
+        return self._structured.prepare(so_args)
+
     def add_request(
         self,
         user_id: str,
@@ -290,8 +297,9 @@ class ReferenceEngine:
             seq.prompt_logprobs = prompt_logprobs(self.model, prompt)
         self._live[request_id] = seq
         if so_args is not None:
-            # DeepInfer compiles on a thread pool and enqueues the request from a later step(); compiling here
-            # is synchronous (cached per schema), so the request is visible to abort_request at once.
+            # DeepInfer compiles on a thread pool and enqueues the request from a later step(); here the grammar
+            # was compiled by compile_so_args (or is compiled now, cached per schema), so the request is visible
+            # to abort_request at once.
             try:
                 seq.so = self._structured.compile(so_args)
             except StructuredOutputError as exc:
