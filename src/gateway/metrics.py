@@ -69,6 +69,13 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens processed.", labels, registry=r)
         self.generation_tokens = Counter("gateway_generation_tokens", "Tokens generated.", labels, registry=r)
         self.in_flight = Gauge("gateway_requests_in_flight", "Requests being served.", labels, registry=r)
+        self.stalls = Counter(
+            "gateway_stream_stalls",
+            "Requests stopped because their client did not take its output (buffer_full: more than "
+            "server.stream_buffer_tokens waited; send_timeout: no data accepted for server.stall_timeout).",
+            (*labels, "reason"),
+            registry=r,
+        )
         self.errors = Counter(
             "gateway_request_errors", "Requests that ended in an error, by error code.", (*labels, "code"), registry=r
         )
@@ -134,6 +141,11 @@ class RequestObserver:
         self._labels = (self.model, backend)
         self.log["backend"] = backend
         self._metrics.in_flight.labels(*self._labels).inc()
+
+    def stalled(self, reason: str) -> None:
+        """The client did not keep up and its request was stopped (``buffer_full`` or ``send_timeout``)."""
+        if not self._done:
+            self._metrics.stalls.labels(*self._labels, reason).inc()
 
     def first_token(self) -> None:
         if self.first_token_at is None:
