@@ -48,7 +48,7 @@ def rss_mib(pid: int) -> float:
 def scrape(base_url: str) -> dict[str, float]:
     """The gateway's counters and gauges this probe reads, summed over their labels (status kept apart)."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=30).text):
+    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=120).text):
         for sample in family.samples:
             name = sample.name
             if name == "gateway_requests_total":

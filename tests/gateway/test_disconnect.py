@@ -10,6 +10,7 @@ import struct
 
 import httpx
 import orjson
+import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig
@@ -131,3 +132,19 @@ def test_a_hundred_and_more_streams_closed_after_three_frames_stop_their_engine_
     # Without aborts the engine would generate 2,000 tokens for each of them.
     assert generated <= sum(frames) + clients * STEPS_AFTER_CLOSE, generated
     assert wait_until(lambda: requests_with_status(timed_gateway, "499") - left_before == clients)
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_logged_as_gone_not_as_a_bad_request(
+    timed_gateway: RunningGateway,
+) -> None:
+    host, port = timed_gateway.base_url.removeprefix("http://").split(":")
+    with structlog.testing.capture_logs() as logs:
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model": '
+        )
+        sock.close()
+        assert wait_until(lambda: any(line.get("path") == "/v1/chat/completions" for line in logs))
+    line = next(line for line in logs if line.get("path") == "/v1/chat/completions")
+    assert line["status"] == 499 and line["error_code"] == "client_disconnected"
