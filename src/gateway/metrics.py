@@ -12,6 +12,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from backends.engine.driver import DriverStats
+
 if TYPE_CHECKING:
     from backends.interface import Backend
 
@@ -198,6 +200,11 @@ class _BackendCollector(Collector):
         inside = CounterMetricFamily(
             "gateway_engine_step_seconds", "Engine-thread time inside step() and flush.", labels=["backend"]
         )
+        paced = CounterMetricFamily(
+            "gateway_engine_backpressure_seconds",
+            "Engine-thread time waiting for the event loop to take earlier outputs (the loop is the bottleneck).",
+            labels=["backend"],
+        )
         running = GaugeMetricFamily(
             "gateway_engine_requests", "Requests registered with the engine driver.", labels=["backend"]
         )
@@ -219,10 +226,12 @@ class _BackendCollector(Collector):
             if driver is not None:
                 steps.add_metric([backend.name], driver.stats.steps)
                 tokens.add_metric([backend.name], driver.stats.tokens)
+                if isinstance(driver.stats, DriverStats):
+                    paced.add_metric([backend.name], driver.stats.backpressure_seconds)
                 busy.add_metric([backend.name], driver.stats.busy_seconds)
                 inside.add_metric([backend.name], driver.stats.engine_seconds)
                 running.add_metric([backend.name], driver.in_flight)
-        yield from (ready, steps, tokens, busy, inside, running, admitted, queued, rejected)
+        yield from (ready, steps, tokens, busy, inside, paced, running, admitted, queued, rejected)
         yield from self._engine_samples()
         yield from self._backend_families()
 

@@ -148,3 +148,18 @@ def test_a_client_that_leaves_while_sending_its_body_is_logged_as_gone_not_as_a_
         assert wait_until(lambda: any(line.get("path") == "/v1/chat/completions" for line in logs))
     line = next(line for line in logs if line.get("path") == "/v1/chat/completions")
     assert line["status"] == 499 and line["error_code"] == "client_disconnected"
+
+
+def test_a_hundred_clients_waiting_for_whole_responses_that_leave_stop_their_engine_work(
+    timed_gateway: RunningGateway,
+) -> None:
+    clients = 100
+    socks = [_raw_request(timed_gateway.base_url, {**LONG, "max_tokens": 2000}) for _ in range(clients)]
+    try:
+        assert wait_until(lambda: timed_gateway.driver_in_flight() == clients, timeout=30)
+    finally:
+        before = timed_gateway.engine_tokens()
+        for sock in socks:
+            sock.close()
+    assert wait_until(timed_gateway.engine_idle, timeout=60)
+    assert timed_gateway.engine_tokens() - before <= clients * STEPS_AFTER_CLOSE

@@ -65,6 +65,8 @@ class DriverStats:
     """Engine-thread time not spent waiting for work: engine calls plus the driver's own bookkeeping."""
     engine_seconds: float = 0.0
     """The part of ``busy_seconds`` spent inside the engine's ``step()`` / ``flush_inflight_reqs()``."""
+    backpressure_seconds: float = 0.0
+    """Engine-thread time spent waiting for the event loop to take earlier outputs (not part of ``busy_seconds``)."""
 
 
 class EngineDriver:
@@ -197,13 +199,16 @@ class EngineDriver:
         credits = self._credits
 
         def hand_off(outputs: Sequence[EngineOutput], errors: list[tuple[str, BackendError]]) -> None:
-            if not self._stopping:
-                credits.acquire()  # wait while the loop is STEPS_AHEAD hand-offs behind
+            if not self._stopping and not credits.acquire(blocking=False):
+                waiting = clock()
+                credits.acquire()  # the loop is STEPS_AHEAD hand-offs behind: wait for it
+                stats.backpressure_seconds += clock() - waiting
             loop.call_soon_threadsafe(dispatch, outputs, errors)
 
         needs_flush = False
         command: _Add | _Abort | _Stop | None = None
         awake = clock()
+        paced = stats.backpressure_seconds  # waits for the loop are not busy time
         while True:
             errors: list[tuple[str, BackendError]] = []
             aborts: list[str] = []
@@ -236,9 +241,10 @@ class EngineDriver:
             else:
                 if errors:
                     hand_off((), errors)
-                stats.busy_seconds += clock() - awake
+                stats.busy_seconds += clock() - awake - (stats.backpressure_seconds - paced)
                 command = inbox.get()  # idle: block until there is work
                 awake = clock()
+                paced = stats.backpressure_seconds
                 continue
             after_step = clock()
             stats.steps += 1
@@ -247,8 +253,9 @@ class EngineDriver:
                 hand_off(outputs, errors)
             now = clock()
             stats.engine_seconds += after_step - before_step
-            stats.busy_seconds += now - awake
+            stats.busy_seconds += now - awake - (stats.backpressure_seconds - paced)
             awake = now
+            paced = stats.backpressure_seconds
 
 
 def _add(engine: Engine, command: _Add) -> BackendError | None:
