@@ -14,7 +14,8 @@ model, so the engine runs far ahead of any client) and runs two probes on raw lo
   take to return to 0.
 
 Usage: ``python bench/disconnects.py`` (all probes) or e.g. ``python bench/disconnects.py --clients 200 --close rst
---skip-slow-readers``; ``--config-server '{"stall_timeout": 5}'`` adds ``server`` settings to the config.
+--skip-slow-readers``; ``--config-server '{"stall_timeout": 5}'`` adds ``server`` settings to the config,
+``--config-backend '{"data_parallel_size": 2}'`` backend settings (rank workers).
 """
 
 from __future__ import annotations
@@ -216,13 +217,19 @@ def main() -> None:
     parser.add_argument("--skip-disconnects", action="store_true")
     parser.add_argument("--skip-slow-readers", action="store_true")
     parser.add_argument("--config-server", type=json.loads, default={}, help="extra server settings (JSON)")
+    parser.add_argument(
+        "--config-backend",
+        type=json.loads,
+        default={},
+        help='extra backend settings (JSON), e.g. {"data_parallel_size": 2}',
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/disconnects.json"))
     args = parser.parse_args()
 
     process, base_url, config = serve_gateway(
         {
             "server": {"access_log": False, **args.config_server},
-            "backends": [{"name": "reference", "kind": "reference"}],
+            "backends": [{"name": "reference", "kind": "reference", **args.config_backend}],
             "models": [{"name": MODEL, "backends": ["reference"]}],
         }
     )
