@@ -94,14 +94,19 @@ class RequestContextMiddleware:
                 await _send_error(send_with_id, APIError(413, str(too_large.detail), code="request_too_large"))
                 return
             received = 0
+            body_done = False
 
             async def limited_receive() -> Message:
-                nonlocal received
+                nonlocal received, body_done
                 message = await receive()
                 if message["type"] == "http.request":
                     received += len(message.get("body", b""))
                     if received > limit:
                         raise BodyTooLargeError(limit)
+                    body_done = not message.get("more_body", False)
+                elif not body_done:  # the client left while sending its body: not a bad body, a client gone
+                    log["status"] = 499
+                    log["error_code"] = "client_disconnected"
                 return message
 
             await self.app(scope, limited_receive, send_with_id)
