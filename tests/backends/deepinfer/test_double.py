@@ -33,12 +33,14 @@ def prompt(engine: Any, text: str = "alpha beta gamma") -> np.ndarray:
 
 
 def request_ids(pointers: np.ndarray) -> list[str]:
+    import torch  # noqa: F401  # deepinfer._C loads only once torch has
     from deepinfer._C.engine import RequestOutput
 
     return [RequestOutput.get_request_id(p) for p in pointers.tolist()]
 
 
 def test_output_pointers_die_at_the_next_step(model_dir: Path) -> None:
+    import torch  # noqa: F401  # deepinfer._C loads only once torch has
     from deepinfer._C.engine import RequestOutput
 
     engine = build(model_dir)
@@ -51,6 +53,7 @@ def test_output_pointers_die_at_the_next_step(model_dir: Path) -> None:
 
 
 def test_last_decode_outputs_arrive_only_through_flush(model_dir: Path) -> None:
+    import torch  # noqa: F401  # deepinfer._C loads only once torch has
     from deepinfer._C.engine import RequestOutput
 
     engine = build(model_dir)
@@ -65,6 +68,7 @@ def test_last_decode_outputs_arrive_only_through_flush(model_dir: Path) -> None:
 
 
 def test_running_abort_emits_nothing_and_waiting_abort_emits_a_synthetic_output(model_dir: Path) -> None:
+    import torch  # noqa: F401  # deepinfer._C loads only once torch has
     from deepinfer._C.engine import RequestOutput
 
     engine = build(model_dir, max_num_seqs=1)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import torch  # noqa: F401  # as in DeepInfer: torch is loaded before deepinfer._C
 from deep_cluster.hardware import get_bf16_tflops_limit
 
 from deepinfer import _double, envs
