@@ -28,6 +28,8 @@ from backends.reference import load_or_build
 DOUBLE_DIR = Path(__file__).resolve().parents[2] / "doubles" / "deepinfer"
 TORCH_DOUBLE_DIR = DOUBLE_DIR.parent / "torch"
 MAX_MODEL_LEN = 256
+collect_ignore = ["harness"] + ([] if os.environ.get("DEEPINFER_HARNESS") == "1" else ["real"])
+"""``real/`` runs only in the DeepInfer harness session that ``test_real_engine.py`` starts."""
 OUT_OF_VOCAB_TOKEN = "<|place_holder_mm_span_0000|>"
 """Registered in the tokenizer above the model's vocabulary, as DeepInfer's multimodal placeholders are."""
 
