@@ -102,13 +102,13 @@ class DeepInferBackendConfig(_Preparation):
         1, ge=1, le=256, description="DP ranks; above 1, one worker process per rank, stepping in lockstep"
     )
     master_addr: str = Field(
-        "127.0.0.1", description="DP > 1: MASTER_ADDR of DeepInfer's torch.distributed rendezvous (rank 0's host)"
+        "127.0.0.1", description="MASTER_ADDR of DeepInfer's torch.distributed rendezvous (DP > 1: rank 0's host)"
     )
     master_port: int | None = Field(
         None,
         ge=51,
         le=65535,
-        description="DP > 1: MASTER_PORT (DeepInfer listens on MASTER_PORT - 50); unset: a free port per launch",
+        description="MASTER_PORT (DeepInfer listens on MASTER_PORT - 50); unset: a free port per launch",
     )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     chunked_prefill: bool = False
@@ -160,12 +160,12 @@ class DeepInferBackendConfig(_Preparation):
             value = self.env.get(key)
             if value is not None and not check(value):
                 raise ValueError(f"env: {key}={value!r} is not a valid value ({_ENV_HINTS[key]})")
-        nextn = int(self.env.get("DEEPINFER_USE_NEXTN_DECODE", "5"))
+        nextn = self.env.get("DEEPINFER_USE_NEXTN_DECODE")  # unset here: the process environment's, checked at start
         if self.max_num_batched_tokens is not None:
-            if self.max_num_batched_tokens < self.max_num_seqs * (1 + nextn):
+            if nextn is not None and self.max_num_batched_tokens < self.max_num_seqs * (1 + int(nextn)):
                 raise ValueError(
                     f"max_num_batched_tokens must be at least max_num_seqs x (1 + DEEPINFER_USE_NEXTN_DECODE) "
-                    f"= {self.max_num_seqs * (1 + nextn)}"
+                    f"= {self.max_num_seqs * (1 + int(nextn))}"
                 )
             if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError("max_num_batched_tokens below max_model_len needs chunked_prefill: true")

@@ -213,7 +213,11 @@ def test_deepinfer_config_sets_max_model_len_and_engine_environment() -> None:
     assert backend.kind == "deepinfer"
     assert "max_model_len" in yaml.safe_load((CONFIG_DIR / "deepinfer.yaml").read_text())["backends"][0]
     assert backend.env.get("DEEPINFER_USE_MULTIMODAL_POOL") == "0"
-    assert "DEEPINFER_PREFILL_ATTEMPT_INTERVAL" in backend.env
+    assert (
+        backend.env["DEEPINFER_PREFILL_ATTEMPT_INTERVAL"]
+        == backend.env["DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL"]
+        == "1"
+    )
 
 
 def test_lmdeploy_config_reaches_two_api_server_nodes() -> None:

@@ -11,22 +11,22 @@ side (``build_rank_engine``) builds the engine on the worker's main thread. See 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from backends.config import DeepInferBackendConfig
+from backends.deepinfer.environment import free_rendezvous_port
 from backends.deepinfer.model_path import resolve_model_dir
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
 
     from backends.workers.worker import RankContext, RankEngine
 
+BOS = "<｜begin▁of▁sentence｜>"
 RELEASE_PLACEHOLDERS = tuple(f"<|place_holder_mm_span_{i:04d}|>" for i in range(21))
 """Special tokens DeepInfer's release tokenizer policy registers after the vocabulary (fact sheet E)."""
-_RENDEZVOUS_OFFSET = 50
-"""DeepInfer listens on ``MASTER_PORT - 50 + engine_group_rank`` (``deepinfer/utils.py``)."""
 
 
 def all_devices(config: DeepInferBackendConfig, environ: Mapping[str, str]) -> list[str]:
@@ -75,23 +75,12 @@ class RankEnvironment:
     def __call__(self, rank: int) -> dict[str, str]:
         config = self.config
         if config.master_port is None and (rank == 0 or self.port is None):
-            self.port = _free_port() + _RENDEZVOUS_OFFSET
+            self.port = free_rendezvous_port()
         devices = rank_devices(config, rank)
         env = {"CUDA_VISIBLE_DEVICES": devices, "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(self.port)}
         if config.accelerator == "ascend":
             env["ASCEND_RT_VISIBLE_DEVICES"] = devices
         return env
-
-
-def _free_port() -> int:
-    """A port free now on every interface, for rank 0 to listen on (``MASTER_PORT - 50`` is what DeepInfer binds)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("", 0))
-            port = int(probe.getsockname()[1])
-        if port + _RENDEZVOUS_OFFSET <= 65535:
-            return port
-    raise OSError("no free port for DeepInfer's rendezvous")
 
 
 def load_tokenizer(config: DeepInferBackendConfig) -> Tokenizer:
@@ -105,7 +94,19 @@ def load_tokenizer(config: DeepInferBackendConfig) -> Tokenizer:
     missing = [t for t in RELEASE_PLACEHOLDERS if tokenizer.token_to_id(t) is None]
     if missing:
         tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    tokenizer.post_processor = _begin_with_bos(tokenizer)
     return tokenizer
+
+
+def _begin_with_bos(tokenizer: Tokenizer) -> TemplateProcessing:
+    """DeepInfer's release policy forces ``add_bos_token=True``: ``encode(text)`` starts with BOS (id 0) whatever
+    ``tokenizer_config.json`` says, as the fast tokenizer's post-processor does once that flag is set."""
+    from tokenizers.processors import TemplateProcessing
+
+    bos_id = tokenizer.token_to_id(BOS)
+    if bos_id is None:
+        raise ValueError(f"the tokenizer has no {BOS}, which DeepInfer requires at id 0")
+    return TemplateProcessing(single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)])
 
 
 class TorchDataParallelGroup:

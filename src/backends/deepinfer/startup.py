@@ -99,7 +99,10 @@ def _start(config: DeepInferBackendConfig, engine_rank: int) -> DeepInferEngine:
                 f"DeepInfer runs with max_model_len {engine.max_model_len}, not the configured {config.max_model_len}"
             )
     except BaseException as exc:
-        llm_engine.close()
+        if config.data_parallel_size == 1:
+            llm_engine.close()
+        # else no close(): it is a collective the other ranks are not in. The worker process exits and the
+        # dispatcher restarts the group.
         if isinstance(exc, Exception):
             raise DeepInferStartupError(f"backend {config.name!r}: {exc}") from exc
         raise
@@ -109,7 +112,11 @@ def _start(config: DeepInferBackendConfig, engine_rank: int) -> DeepInferEngine:
 def import_deepinfer() -> DeepInferModules:
     """Imports ``deepinfer`` now (never at gateway import), turning a missing or broken install into a clear error."""
     try:
+        # torch first: deepinfer._C is a torch C++ extension built without an rpath to torch's libraries (libc10.so
+        # and friends), which it finds only once torch has loaded them. deepinfer's __init__ never imports torch,
+        # and its own modules always import torch before _C.
         import deepinfer  # type: ignore[import-not-found]
+        import torch  # type: ignore[import-not-found]  # noqa: F401
         from deepinfer._C.engine import RequestOutput  # type: ignore[import-not-found]
         from deepinfer.engine.arg_utils import EngineArgs  # type: ignore[import-not-found]
         from deepinfer.engine.llm_engine import LLMEngine  # type: ignore[import-not-found]

@@ -11,6 +11,20 @@ taken once the loop has run it and then every stream task it woke (a ``call_soon
 engine cannot bury a busy loop under outputs it has no time to send: memory stays bounded and the loop keeps
 the time to notice clients that leave. Streams whose clients do not read are not waited for (their tasks sleep
 on the socket); their own buffers bound them (``backends.engine.buffer``).
+
+What DeepInfer's engine does, and the loop relies on (tests/backends/deepinfer/real/):
+
+- A request's outputs, its final one included, come from ``step()``; under zero-overhead scheduling a decode
+  step's tokens come from the next ``step()``. A request is finished when an output says so, never by the
+  engine going idle.
+- A finished request still counts in ``has_unfinished_requests()`` until the next ``step()``, so the loop runs
+  one step more, which returns nothing for it.
+- ``flush_inflight_reqs()`` returns nothing once ``has_unfinished_requests()`` is False (DeepInfer's real engine);
+  the flush on going idle is for engines that keep a step in flight past that point.
+- An aborted running request gets no further output; a request aborted while waiting gets one final ``abort``
+  output. Either way its sink is gone by then (``abort`` drops it at once) and late outputs are dropped.
+- With data parallelism ``has_unfinished_requests()`` and ``step()`` are collectives: the workers' lockstep loop
+  drives those engines, not this one.
 """
 
 from __future__ import annotations

@@ -44,7 +44,10 @@ def test_max_model_len_is_required() -> None:
         ({"env": {"DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "0"}}, "an integer >= 1"),
         ({"env": {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "half"}}, "off, mask or compact"),
         ({"max_num_batched_tokens": 4096}, "needs chunked_prefill"),
-        ({"max_num_batched_tokens": 1000, "chunked_prefill": True}, "max_num_seqs x"),
+        (
+            {"max_num_batched_tokens": 1000, "chunked_prefill": True, "env": {"DEEPINFER_USE_NEXTN_DECODE": "5"}},
+            "max_num_seqs x",
+        ),
         ({"accelerator": "ascend", "env": {"DEEPINFER_BATCH_INVARIANT": "1"}}, "NVIDIA-only"),
     ],
 )
@@ -100,6 +103,37 @@ def test_environment_contradicting_the_config_is_an_error() -> None:
         engine_environment(config(), {"DEEPINFER_ACCELERATOR": "ascend"})
     with pytest.raises(EngineEnvironmentError, match="empty"):
         engine_environment(config(), {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_speculative_tokens_from_the_process_environment_size_the_batch_check() -> None:
+    """``max_num_batched_tokens`` must hold ``max_num_seqs x (1 + DEEPINFER_USE_NEXTN_DECODE)`` with the value the
+    engine will see: the config's ``env``, else the process environment, else DeepInfer's default of 5."""
+    tight = config(max_num_seqs=256, max_num_batched_tokens=512, chunked_prefill=True)  # fits only 1 token/request
+    assert engine_environment(tight, {"DEEPINFER_USE_NEXTN_DECODE": "1"})
+    with pytest.raises(EngineEnvironmentError, match=r"DEEPINFER_USE_NEXTN_DECODE=5\) = 1536"):
+        engine_environment(tight, {})
+    with pytest.raises(EngineEnvironmentError, match=r"DEEPINFER_USE_NEXTN_DECODE=2\) = 768"):
+        engine_environment(tight, {"DEEPINFER_USE_NEXTN_DECODE": "2"})
+    overridden = config(
+        max_num_seqs=256, max_num_batched_tokens=512, chunked_prefill=True, env={"DEEPINFER_USE_NEXTN_DECODE": "1"}
+    )
+    assert engine_environment(overridden, {"DEEPINFER_USE_NEXTN_DECODE": "5"}), "the config's env wins, as it is set"
+
+
+def test_single_rank_engines_rendezvous_on_a_free_port_each() -> None:
+    """DeepInfer's one-rank engine still listens at MASTER_PORT - 50 (default 23333): two gateways on one host
+    would collide there, so each engine gets its own free port unless one is configured or already set."""
+    ports = {int(engine_environment(config(), {})["MASTER_PORT"]) for _ in range(2)}
+    assert len(ports) == 2 and all(port != 23333 for port in ports)
+    env = engine_environment(config(), {})
+    assert env["MASTER_ADDR"] == "127.0.0.1"
+    import socket
+
+    with socket.socket() as listener:  # the port DeepInfer will listen on is free
+        listener.bind(("127.0.0.1", int(env["MASTER_PORT"]) - 50))
+    assert engine_environment(config(master_port=30050), {})["MASTER_PORT"] == "30050"
+    assert "MASTER_PORT" not in engine_environment(config(), {"MASTER_PORT": "29999"}), "an explicit choice stands"
+    assert engine_environment(config(env={"MASTER_PORT": "29998"}), {})["MASTER_PORT"] == "29998"
 
 
 # ---- model directory -----------------------------------------------------------------------------------------

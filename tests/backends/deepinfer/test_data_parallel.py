@@ -29,9 +29,8 @@ from gateway.config import GatewayConfig
 
 from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
 from ..workers.conftest import chat, driver_of, holding_rank, open_stream, steps, worker_pids
-from .conftest import DOUBLE_DIR, deepinfer_on_path
+from .conftest import DOUBLE_DIR, TORCH_DOUBLE_DIR, deepinfer_on_path
 
-TORCH_DOUBLE_DIR = DOUBLE_DIR.parent / "torch"
 MAX_MODEL_LEN = 1024
 ENGINE_ENV = {"DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1", "DEEPINFER_USE_NEXTN_DECODE": "0"}
 """Prefill at once, and one token per request per step, so a long request lasts many steps."""
@@ -251,9 +250,9 @@ except Exception as exc:
 def run_two_ranks(model_dir: Path, scenario: str) -> list[tuple[int, str]]:
     with doubles_for_workers():
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1"}
-        from backends.deepinfer.ranks import _free_port
+        from backends.deepinfer.environment import free_rendezvous_port
 
-        env["MASTER_PORT"] = str(_free_port() + 50)
+        env["MASTER_PORT"] = str(free_rendezvous_port())
         processes = [
             subprocess.Popen(
                 [sys.executable, "-c", _RANK_SCRIPT, str(rank), scenario, str(model_dir)],

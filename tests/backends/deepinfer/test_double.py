@@ -33,12 +33,14 @@ def prompt(engine: Any, text: str = "alpha beta gamma") -> np.ndarray:
 
 
 def request_ids(pointers: np.ndarray) -> list[str]:
+    import torch  # noqa: F401  # deepinfer._C loads only once torch has
     from deepinfer._C.engine import RequestOutput
 
     return [RequestOutput.get_request_id(p) for p in pointers.tolist()]
 
 
 def test_output_pointers_die_at_the_next_step(model_dir: Path) -> None:
+    import torch  # noqa: F401  # deepinfer._C loads only once torch has
     from deepinfer._C.engine import RequestOutput
 
     engine = build(model_dir)
@@ -50,21 +52,26 @@ def test_output_pointers_die_at_the_next_step(model_dir: Path) -> None:
         RequestOutput.get_token_id(int(first[0]))
 
 
-def test_last_decode_outputs_arrive_only_through_flush(model_dir: Path) -> None:
+def test_last_output_comes_from_step_and_the_request_counts_until_the_next_step(model_dir: Path) -> None:
+    """As DeepInfer's real engine (tests/backends/deepinfer/real/test_engine.py): the final output comes from
+    ``step()``, one step late under zero-overhead scheduling, then one more step; flush has nothing left."""
+    import torch  # noqa: F401  # deepinfer._C loads only once torch has
     from deepinfer._C.engine import RequestOutput
 
+    os.environ["DEEPINFER_USE_NEXTN_DECODE"] = "0"  # one token per step, as on the real engine's stub model
     engine = build(model_dir)
-    engine.add_request(user_id="u", request_id="a", sampling_params={"max_tokens": 3}, prompt_token_ids=prompt(engine))
-    seen: list[int] = []
+    engine.add_request(user_id="u", request_id="a", sampling_params={"max_tokens": 5}, prompt_token_ids=prompt(engine))
+    per_step: list[list[tuple[bool, str]]] = []
     while engine.has_unfinished_requests():
-        seen += [RequestOutput.get_token_id(p) for p in engine.step().tolist()]
-    assert len(seen) < 3, "zero-overhead scheduling keeps the last decode step in flight"
-    flushed = engine.flush_inflight_reqs().tolist()
-    assert RequestOutput.get_finished(flushed[-1]) and RequestOutput.get_finish_reason(flushed[-1]) == "length"
-    assert len(seen) + len(flushed) == 3
+        pointers = engine.step().tolist()  # read at once: the next step frees them
+        per_step.append([(RequestOutput.get_finished(p), RequestOutput.get_finish_reason(p)) for p in pointers])
+    assert [len(outputs) for outputs in per_step] == [1, 0, 1, 1, 1, 1, 0]
+    assert per_step[-2] == [(True, "length")]
+    assert len(engine.flush_inflight_reqs()) == 0
 
 
 def test_running_abort_emits_nothing_and_waiting_abort_emits_a_synthetic_output(model_dir: Path) -> None:
+    import torch  # noqa: F401  # deepinfer._C loads only once torch has
     from deepinfer._C.engine import RequestOutput
 
     engine = build(model_dir, max_num_seqs=1)

@@ -238,6 +238,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.ignored: list[Sequence] = []  # finished without running: their synthetic output is due
+        self.retiring: list[Sequence] = []
+        """Finished, but still counted as unfinished until the next schedule after their final output was
+        returned (DeepInfer removes finished sequences when it schedules): a loop that steps while
+        ``has_unfinished_requests()`` runs one step more, which returns nothing for them."""
         self.num_preempted = 0
         self.num_aborted = 0
         self.decode_step = 0
@@ -289,7 +293,7 @@ class Scheduler:
         return self.num_aborted
 
     def get_num_unfinished_seqs(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.ignored)
+        return len(self.waiting) + len(self.running) + len(self.ignored) + len(self.retiring)
 
     def has_unfinished_seqs(self) -> bool:
-        return bool(self.waiting or self.running or self.ignored)
+        return bool(self.waiting or self.running or self.ignored or self.retiring)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import torch  # noqa: F401  # as in DeepInfer: torch is loaded before deepinfer._C
 from deep_cluster.hardware import get_bf16_tflops_limit
 
 from deepinfer import _double, envs
@@ -226,9 +227,12 @@ class LLMEngine:
         self._check_caller()
         _double.STEP_GATE.wait()
         self.request_output_pool.release()
+        scheduler = self.scheduler
+        if scheduler.retiring:  # the schedule drops sequences whose final output was already returned
+            in_flight = {o.request_id for o in self._deferred}
+            scheduler.retiring = [seq for seq in scheduler.retiring if seq.request_id in in_flight]
         records, self._deferred = self._deferred, []
         records += self._synthetic_outputs()
-        scheduler = self.scheduler
         if self._prefill_due():
             records += self._prefill()
             scheduler.decode_step = 0
@@ -253,7 +257,8 @@ class LLMEngine:
         return self.request_output_pool.allocate(records)
 
     def flush_inflight_reqs(self) -> np.ndarray:
-        """Drains the step still in flight; call it once when the engine goes idle."""
+        """Drains the step still in flight (zero-overhead scheduling, mid-decode); once the engine has no
+        unfinished request there is nothing in flight and it returns an empty array, as DeepInfer's does."""
         self._check_caller()
         self.request_output_pool.release()
         records, self._deferred = self._deferred, []
@@ -431,6 +436,7 @@ class LLMEngine:
             if finished:
                 self.scheduler.running.remove(seq)
                 self.scheduler.free(seq)
+                self.scheduler.retiring.append(seq)
                 break
         records[-1].draft_tok = draft_tok
         records[-1].accept_tok = accept_tok
@@ -460,6 +466,7 @@ class LLMEngine:
         if not ignored:
             return []
         self.scheduler.ignored = []
+        self.scheduler.retiring += ignored
         return [self._synthetic(seq) for seq in ignored]
 
     def _account(self, records: list[_Output]) -> None:
