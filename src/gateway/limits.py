@@ -22,7 +22,7 @@ from backends.errors import OverloadedError
 from gateway.budgets import BudgetStore, Clock, Draw, LocalBudgets, RedisBudgets, Take, seconds_until
 from gateway.config import ApiKeyConfig, ServerConfig
 from gateway.errors import APIError
-from gateway.state_store import STORE_FAILURES, SharedStateStore
+from gateway.state_store import SharedStateStore
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class KeyLimits:
         if self._shared is not None and self.store is not None and self.store.usable():
             try:
                 take = await self._shared.take(draws)
-            except STORE_FAILURES as exc:
+            except self.store.failures_raised as exc:
                 self.store.failed(exc)
             else:
                 self.store.succeeded()
@@ -119,7 +119,7 @@ class KeyLimits:
         if self._shared is not None and self.store is not None and self.store.usable():
             try:
                 await self._shared.adjust(key, capacity, delta)
-            except STORE_FAILURES as exc:
+            except self.store.failures_raised as exc:
                 self.store.failed(exc)
             else:
                 self.store.succeeded()

@@ -11,13 +11,7 @@ import logging
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
-
 logger = logging.getLogger(__name__)
-
-STORE_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
-"""What a store call raises when the store is down or unreachable (never a client's mistake)."""
 
 
 def redacted_url(url: str) -> str:
@@ -39,6 +33,12 @@ class SharedStateStore:
         retry_seconds: float = 1.0,
         timeout_seconds: float = 0.5,
     ) -> None:
+        # redis is imported here, not at module level: a gateway without a store never needs it
+        from redis.asyncio import Redis
+        from redis.exceptions import RedisError
+
+        self.failures_raised: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
+        """What a store call raises when the store is down or unreachable (never a client's mistake)."""
         self.url = redacted_url(url)
         self.client = Redis.from_url(
             url,
@@ -74,7 +74,7 @@ class SharedStateStore:
     async def probe(self) -> bool:
         try:
             await self.client.ping()
-        except STORE_FAILURES as exc:
+        except self.failures_raised as exc:
             self.failed(exc)
             return False
         self.succeeded()
