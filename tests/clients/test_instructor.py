@@ -3,8 +3,8 @@
 instructor runs in a subprocess from its own cached virtualenv (``client_venv``: its pins conflict with the dev
 environment's openai SDK), with a dead proxy for every non-loopback connection. It loads the same models as the
 parent (``structured_models``: ``$ref``/``$defs``, an enum, a list field, ``anyOf``, bounds) and asks once per mode and
-model with ``max_retries=1``, i.e. a single attempt: a reply that fails validation is an error, never a retry. The
-parent validates what instructor parsed and the raw arguments it parsed them from.
+model with ``max_retries=1``, i.e. a single attempt: a reply that fails validation is an error (reported per call),
+never a retry. The parent validates what instructor parsed and the raw arguments it parsed them from.
 """
 
 from __future__ import annotations
@@ -41,19 +41,24 @@ SCRIPT = textwrap.dedent(
     for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
         client = instructor.from_openai(base, mode=mode)
         for name, prompt in PROMPTS.items():
-            parsed, completion = client.chat.completions.create_with_completion(
-                model=sys.argv[2],
-                response_model=getattr(structured_models, name),
-                messages=[{"role": "user", "content": prompt}],
-                temperature=0,
-                seed=7,
-                max_tokens=160,
-                max_retries=1,
-            )
+            reply = {"mode": mode.value, "model": name}
+            try:
+                parsed, completion = client.chat.completions.create_with_completion(
+                    model=sys.argv[2],
+                    response_model=getattr(structured_models, name),
+                    messages=[{"role": "user", "content": prompt}],
+                    temperature=0,
+                    seed=7,
+                    max_tokens=160,
+                    max_retries=1,
+                )
+            except Exception as exc:  # reported per call, so one failure does not hide the others
+                print(json.dumps({**reply, "error": f"{type(exc).__name__}: {exc}"[:2000]}))
+                continue
             message = completion.choices[0].message
             raw = message.tool_calls[0].function.arguments if message.tool_calls else message.content
-            print(json.dumps({"mode": mode.value, "model": name, "parsed": parsed.model_dump(mode="json"),
-                              "raw": raw, "tool_calls": len(message.tool_calls or []),
+            print(json.dumps({**reply, "parsed": parsed.model_dump(mode="json"), "raw": raw,
+                              "tool_calls": len(message.tool_calls or []),
                               "finish_reason": completion.choices[0].finish_reason}))
     """
 )
@@ -83,6 +88,7 @@ MODELS: dict[str, type[BaseModel]] = {"Forecast": Forecast, "BookTrip": BookTrip
 @pytest.mark.parametrize("name", ["Forecast", "BookTrip"])
 def test_nested_response_model(replies: list[dict[str, Any]], mode: str, name: str) -> None:
     (reply,) = [r for r in replies if r["mode"] == mode and r["model"] == name]
+    assert "error" not in reply, reply["error"]
     model = MODELS[name]
     parsed = model.model_validate(reply["parsed"])
     assert model.model_validate_json(reply["raw"]) == parsed  # instructor parsed exactly what the gateway sent
