@@ -32,6 +32,7 @@ class Forecast(BaseModel):
     unit: Unit
     days: int = Field(ge=1, le=7)
     tags: list[Word] = Field(max_length=3)
+    summary: str = Field(max_length=24)  # a top-level string: forced tool calls write it as raw text
 
 
 class Passenger(BaseModel):
@@ -46,6 +47,7 @@ class BookTrip(BaseModel):
     passengers: list[Passenger] = Field(min_length=1, max_length=2)
     budget: int = Field(ge=10, le=5000)  # a float's fraction would be as long as the model keeps writing digits
     seat: Literal["window", "aisle"] | None = None
+    note: str = Field(max_length=20)
 
 
 def check_forecast(forecast: Forecast) -> None:
@@ -55,6 +57,7 @@ def check_forecast(forecast: Forecast) -> None:
     assert forecast.unit in set(Unit)
     assert forecast.place.country in ("fr", "de", "jp") and len(forecast.place.city) <= 12
     assert len(forecast.tags) <= 3 and all(len(tag) <= 12 for tag in forecast.tags)
+    assert len(forecast.summary) <= 24
 
 
 def check_trip(trip: BookTrip) -> None:
@@ -64,3 +67,4 @@ def check_trip(trip: BookTrip) -> None:
     assert all(0 <= p.age <= 120 and len(p.name) <= 12 for p in trip.passengers)
     assert 10 <= trip.budget <= 5000
     assert trip.seat in ("window", "aisle", None)
+    assert len(trip.note) <= 20

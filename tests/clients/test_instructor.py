@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
                     messages=[{"role": "user", "content": prompt}],
                     temperature=0,
                     seed=7,
-                    max_tokens=160,
+                    max_tokens=400,
                     max_retries=1,
                 )
             except Exception as exc:  # reported per call, so one failure does not hide the others

@@ -30,7 +30,7 @@ def llm(gateway: RunningGateway) -> ChatOpenAI:
         api_key="unused",  # type: ignore[arg-type]
         temperature=0,
         seed=7,
-        max_tokens=160,  # comfortably above the longest reply the schemas allow
+        max_tokens=400,  # above the longest reply the bounded schemas allow (DSML markup included)
         max_retries=0,
         timeout=120,
     )
