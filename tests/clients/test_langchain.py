@@ -76,7 +76,7 @@ def test_bind_tools_with_nested_arguments(llm: ChatOpenAI, tool: Any, tool_choic
 def test_streamed_tool_call_matches_the_unstreamed_one(llm: ChatOpenAI) -> None:
     bound = llm.bind_tools([BookTrip], tool_choice="BookTrip")
     chunks = list(bound.stream(TRIP))
-    assert len(chunks) > 2  # the arguments arrive in pieces
+    assert len(chunks) > 2  # a real stream: role, call header, arguments and finish come as separate chunks
     merged = chunks[0]
     for chunk in chunks[1:]:
         merged = merged + chunk
