@@ -21,8 +21,9 @@ from gateway.errors import install_error_handlers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
+from gateway.response_store import StoredResponses, open_response_store
 from gateway.router import ModelRouter
-from gateway.routes import admin, generate, models, operations
+from gateway.routes import admin, generate, models, operations, responses
 from gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
         metrics=metrics,
         start_errors=start_errors,
         limits=KeyLimits(config.server),
+        responses=StoredResponses(
+            open_response_store(config.server.responses_store, max_age=config.server.responses_max_age)
+        ),
     )
 
     @asynccontextmanager
@@ -66,6 +70,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
             await asyncio.gather(starting, return_exceptions=True)
             await state.router.aclose()  # shadow requests: cancelled, they never hold the shutdown up
             await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
+            await state.responses.aclose()  # type: ignore[union-attr]
             metrics.close()
 
     # Streams end when they are done or when uvicorn's drain timeout cancels them, never at the first SIGTERM.
@@ -74,6 +79,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(generate.router)
+    app.include_router(responses.router)
     app.include_router(models.router)
     app.include_router(operations.router)
     app.include_router(admin.router)

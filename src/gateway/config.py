@@ -63,6 +63,15 @@ class ServerConfig(BaseModel):
     gc_tuning: bool = Field(True, description="gc.freeze() after start-up and a larger young-generation threshold")
     max_messages: int = Field(2048, ge=1, description="upper bound for messages in a chat request")
     max_tools: int = Field(128, ge=0, description="upper bound for tools in a chat request")
+    responses_store: str = Field(
+        "sqlite",
+        pattern=r"^(memory|sqlite|sqlite://.+)$",
+        description="where /v1/responses keeps stored responses: sqlite (responses.sqlite3 in "
+        "$DEEPINFER_GATEWAY_CACHE or ~/.cache/deepinfer-gateway), sqlite://PATH, or memory",
+    )
+    responses_max_age: float | None = Field(
+        30 * 24 * 3600.0, gt=0, description="seconds a stored response is kept; null: forever"
+    )
 
     def client_keys(self) -> list[ApiKeyConfig]:
         return [ApiKeyConfig(key=k) if isinstance(k, str) else k for k in self.api_keys]

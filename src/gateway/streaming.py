@@ -19,9 +19,8 @@ from starlette.responses import Response
 from backends.errors import BackendError, BackendTimeoutError
 from backends.interface import Delta, Event, Finish, PromptEcho, Usage
 from backends.streams import interleave
-from gateway.errors import api_error_from_backend, error_payload
+from gateway.errors import APIError, api_error_from_backend
 from gateway.metrics import RequestObserver
-from gateway.openai.responses import DONE_FRAME, sse_frame
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
@@ -81,8 +80,11 @@ async def _next_event(events: AsyncIterator[Event], deadline: _Deadline | None) 
 
 
 class OpenAIFormat(Protocol):
+    done_frame: bytes | None  # the stream's last frame (chat and completions: [DONE])
+
     def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None: ...
     def usage_frame(self, usage: Usage) -> bytes: ...
+    def error_frame(self, error: APIError) -> bytes: ...
     def add(self, event: Delta | Finish | PromptEcho) -> None: ...
     def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]: ...
 
@@ -121,11 +123,6 @@ async def _first_token_events(events: AsyncIterator[Event], deadline: _Deadline 
         head.append(event)
         if not isinstance(event, PromptEcho):
             return head
-
-
-def error_frame(exc: BackendError) -> bytes:
-    error = api_error_from_backend(exc)
-    return sse_frame(error_payload(error.message, error.type, error.param, error.code))
 
 
 async def stream_response(
@@ -178,14 +175,15 @@ async def stream_response(
         except BackendError as exc:
             error = api_error_from_backend(exc)
             status, code = error.status, error.code or error.type
-            yield error_frame(exc)
+            yield fmt.error_frame(error)
         except (asyncio.CancelledError, GeneratorExit):
             status, code = CLIENT_CLOSED_REQUEST, "client_disconnected"
             raise
         finally:
             await events.aclose()
             observer.finish(status, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0, code)
-        yield DONE_FRAME
+        if fmt.done_frame is not None:
+            yield fmt.done_frame
 
     return EventSourceResponse(frames(), headers=headers, ping=15)
 
