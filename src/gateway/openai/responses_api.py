@@ -106,6 +106,7 @@ class CreateResponseRequest(_Body):
     truncation: Literal["disabled", "auto"] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="extension: reproducible sampling")
     top_k: int | None = Field(None, ge=-1, description="extension: sample among the k most likely tokens")
+    ignore_eos: bool = Field(False, description="extension: generate until max_output_tokens even past end-of-sequence")
     # Accepted at their defaults only (see the validator).
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
@@ -211,6 +212,7 @@ class CreateResponseRequest(_Body):
             top_p=self.top_p,
             top_k=None if self.top_k in (None, 0, -1) else self.top_k,
             seed=self.seed,
+            ignore_eos=self.ignore_eos,
             logprobs=self.wants_logprobs(),
             top_logprobs=self.top_logprobs or 0 if self.wants_logprobs() else 0,
         )

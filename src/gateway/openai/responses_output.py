@@ -28,7 +28,7 @@ Frames = list[bytes] | None  # where stream events go; None when building a whol
 def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -59,7 +59,6 @@ def response_envelope(body: CreateResponseRequest, response_id: str, created_at:
             "summary": reasoning.summary if reasoning is not None else None,
         },
         "service_tier": "default",
-        "store": body.stores(),
         "temperature": body.temperature if body.temperature is not None else 1.0,
         "text": {"format": text_format or {"type": "text"}, "verbosity": "medium"},
         "tool_choice": body.tool_choice or "auto",
@@ -225,7 +224,7 @@ class ResponsesFormat:
         self._emit(
             frames,
             "response.function_call_arguments.done",
-            {"item_id": item["id"], "output_index": index, "name": item["name"], "arguments": item["arguments"]},
+            {"item_id": item["id"], "output_index": index, "arguments": item["arguments"]},
         )
         self._emit(frames, "response.output_item.done", {"output_index": index, "item": copy.deepcopy(item)})
 
