@@ -324,7 +324,10 @@ def test_logprobs_when_included(http: httpx.Client) -> None:
     ("body", "param"),
     [
         ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0].type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
@@ -334,6 +337,12 @@ def test_logprobs_when_included(http: httpx.Client) -> None:
         ({"input": "hi", "include": ["file_search_call.results"]}, "include[0]"),
         ({"input": []}, "input"),
         ({"input": "hi", "frequency_penalty": 1}, "frequency_penalty"),
+        ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "x"}]}, "input[0]"),
+        ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),  # named by the backend
+        (
+            {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+            "text.format",
+        ),
     ],
 )
 def test_bad_requests_are_400s_naming_the_parameter(http: httpx.Client, body: dict[str, Any], param: str) -> None:

@@ -53,7 +53,9 @@ def test_an_sqlite_store_keeps_responses_across_a_restart(tmp_path: Path) -> Non
     try:
         client = _client(second)
         assert client.responses.retrieve(created.id).output_text == created.output_text
-        follow = client.responses.create(model=MODEL, input="More.", previous_response_id=created.id, max_output_tokens=4)
+        follow = client.responses.create(
+            model=MODEL, input="More.", previous_response_id=created.id, max_output_tokens=4
+        )
         assert follow.previous_response_id == created.id
     finally:
         stop_gateway(second)

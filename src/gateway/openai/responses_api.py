@@ -250,7 +250,9 @@ def _message_item(item_id: str | None, role: str, content: list[dict[str, Any]],
     }
 
 
-def _text(part: dict[str, Any], where: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+def _text(part: Any, where: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(part, dict):
+        raise UnsupportedParameter(where, "a content part must be an object")
     kind = part.get("type")
     if kind not in allowed:
         raise UnsupportedParameter(f"{where}.type", f"content parts of type {kind!r} are not supported here")
@@ -282,10 +284,7 @@ def canonical_item(item: Any, where: str) -> dict[str, Any]:
             parts = content
         else:
             raise UnsupportedParameter(f"{where}.content", "must be a string or a list of content parts")
-        canonical = [
-            _text(part, f"{where}.content[{j}]", allowed) if isinstance(part, dict) else _not_object(where, j)
-            for j, part in enumerate(parts)
-        ]
+        canonical = [_text(part, f"{where}.content[{j}]", allowed) for j, part in enumerate(parts)]
         if role == "assistant":  # stored as the output message it was
             canonical = [
                 p if p["type"] != "input_text" else {**p, "type": "output_text", "annotations": [], "logprobs": []}
@@ -333,10 +332,6 @@ def canonical_item(item: Any, where: str) -> dict[str, Any]:
     raise UnsupportedParameter(f"{where}.type", f"input items of type {kind!r} are not supported")
 
 
-def _not_object(where: str, j: int) -> dict[str, Any]:
-    raise UnsupportedParameter(f"{where}.content[{j}]", "a content part must be an object")
-
-
 def _reasoning_part(part: Any, where: str) -> dict[str, Any]:
     if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
         raise UnsupportedParameter(where, 'expected {"type": "reasoning_text", "text": ...}')
@@ -345,6 +340,45 @@ def _reasoning_part(part: Any, where: str) -> dict[str, Any]:
 
 def _joined(parts: list[dict[str, Any]]) -> str:
     return "".join(p.get("text") or p.get("refusal") or "" for p in parts)
+
+
+def unmatched_call_output(history: list[dict[str, Any]], items: list[dict[str, Any]]) -> tuple[int, str] | None:
+    """(position in ``items``, call id) of the first function_call_output no earlier function_call asked for."""
+    calls = {item["call_id"] for item in history if item["type"] == "function_call"}
+    for position, item in enumerate(items):
+        if item["type"] == "function_call":
+            calls.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in calls:
+            return position, item["call_id"]
+    return None
+
+
+CHAT_PARAMS = (
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("reasoning_effort", "reasoning.effort"),
+    ("max_tokens", "max_output_tokens"),
+    ("messages", "input"),
+)
+
+
+def responses_param(param: str) -> str:
+    """A chat request's parameter path (as a backend names it in an error) in Responses terms."""
+    for chat, responses in CHAT_PARAMS:
+        if param == chat or param.startswith((chat + ".", chat + "[")):
+            rest = param[len(chat) :]
+            return "input" if chat == "messages" else responses + rest
+    if param.startswith("tools[") and ".function." in param:
+        return param.replace(".function.", ".", 1)
+    return param
+
+
+def responses_message(message: str) -> str:
+    """A backend's error message with chat parameter names in Responses terms."""
+    for chat, responses in CHAT_PARAMS[:-1]:
+        message = message.replace(chat, responses)
+    return message
 
 
 def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -14,9 +14,17 @@ import orjson
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
+from backends.errors import InvalidRequestError
 from backends.interface import GenerateRequest
 from gateway.errors import APIError
-from gateway.openai.responses_api import CreateResponseRequest, chat_messages, new_id
+from gateway.openai.responses_api import (
+    CreateResponseRequest,
+    chat_messages,
+    new_id,
+    responses_message,
+    responses_param,
+    unmatched_call_output,
+)
 from gateway.openai.responses_output import ResponsesFormat, response_envelope
 from gateway.response_store import StoredResponse, StoredResponses
 from gateway.routes.generate import _admit_client, _respond
@@ -60,6 +68,14 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     state = gateway_state(request)
     server = state.config.server
     history = await _history(state, body.previous_response_id) if body.previous_response_id else []
+    unmatched = unmatched_call_output(history, body.items)
+    if unmatched is not None:
+        position, call_id = unmatched
+        raise APIError(
+            400,
+            f"No function call found for function_call_output with call_id '{call_id}'.",
+            param=f"input[{position}]",
+        )
     messages = chat_messages(body.instructions, history + body.items)
     if len(messages) > server.max_messages:
         raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="input")
@@ -78,7 +94,6 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
         response_format=body.response_format(),
         reasoning_effort=body.reasoning_effort(),
     )
-    events = state.router.route(body.model, generate, request.headers, lambda b: b.generate(generate))
     response_id = new_id("resp")
     created_at = time.time()
 
@@ -91,18 +106,24 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
         want_logprobs=body.wants_logprobs(),
         on_complete=store if body.stores() else None,
     )
-    return await _respond(
-        request,
-        state,
-        events,
-        lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
-        model=body.model,
-        label=label,
-        limit_headers=limit_headers,
-        stream=body.stream,
-        include_usage=True,  # the usage ends a Responses stream: it carries response.completed
-        want_logprobs=body.wants_logprobs(),
-    )
+    try:
+        events = state.router.route(body.model, generate, request.headers, lambda b: b.generate(generate))
+        return await _respond(
+            request,
+            state,
+            events,
+            lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
+            model=body.model,
+            label=label,
+            limit_headers=limit_headers,
+            stream=body.stream,
+            include_usage=True,  # the usage ends a Responses stream: it carries response.completed
+            want_logprobs=body.wants_logprobs(),
+        )
+    except InvalidRequestError as exc:  # the backend names chat parameters: name them as this request did
+        exc.message = responses_message(exc.message)
+        exc.param = responses_param(exc.param) if exc.param is not None else None
+        raise
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)
