@@ -384,7 +384,8 @@ def test_disconnect_mid_stream_aborts_the_engine_request() -> None:
             httpx.Client(base_url=running.base_url, timeout=30) as client,
             client.stream("POST", "/v1/responses", json=body) as response,
         ):
-            assert next(line for line in response.iter_lines() if line.startswith("data: "))
+            lines = response.iter_lines()  # kept: dropping the iterator would close the connection at once
+            assert next(line for line in lines if line.startswith("data: "))
             assert running.driver_in_flight() == 1
         assert wait_until(lambda: running.engine_unfinished() == 0 and running.driver_in_flight() == 0)
     finally:
