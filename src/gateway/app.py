@@ -53,7 +53,8 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
         start_errors=start_errors,
         limits=KeyLimits(config.server),
         responses=StoredResponses(
-            open_response_store(config.server.responses_store, max_age=config.server.responses_max_age)
+            open_response_store(config.server.responses_store, max_age=config.server.responses_max_age),
+            metrics.registry,
         ),
     )
 

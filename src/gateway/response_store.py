@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import orjson
+from prometheus_client import CollectorRegistry, Counter
 
 from backends.errors import BackendError
 
@@ -206,9 +207,15 @@ def open_response_store(spec: str, *, max_age: float | None, clock: Clock = time
 class StoredResponses:
     """The gateway's view of the store: writes in the background with read-your-writes, and chains."""
 
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseStore, registry: CollectorRegistry | None = None) -> None:
         self.store = store
         self._pending: dict[str, asyncio.Task[None]] = {}
+        self.written = Counter(
+            "gateway_responses_stored", "Responses written to the response store.", registry=registry
+        )
+        self.failed = Counter(
+            "gateway_response_store_write_failures", "Responses the store failed to write.", registry=registry
+        )
 
     def save(self, record: StoredResponse) -> None:
         """Starts writing ``record``; ``get`` and ``delete`` of its id wait until the write is done."""
@@ -219,8 +226,13 @@ class StoredResponses:
     def _written(self, response_id: str, task: asyncio.Task[None]) -> None:
         if self._pending.get(response_id) is task:
             del self._pending[response_id]
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("storing response %s failed: %s", response_id, task.exception())
+        if task.cancelled() or task.exception() is not None:
+            self.failed.inc()
+            logger.error(
+                "storing response %s failed: %s", response_id, "cancelled" if task.cancelled() else task.exception()
+            )
+        else:
+            self.written.inc()
 
     async def _settled(self, response_id: str) -> None:
         pending = self._pending.get(response_id)

@@ -390,3 +390,35 @@ def test_disconnect_mid_stream_aborts_the_engine_request() -> None:
         assert wait_until(lambda: running.engine_unfinished() == 0 and running.driver_in_flight() == 0)
     finally:
         stop_gateway(running)
+
+
+def test_a_stream_past_its_deadline_ends_with_response_failed_and_is_not_stored() -> None:
+    config = GatewayConfig(
+        server={"responses_store": "memory", "request_timeout": 1.0},
+        backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": 0.01}}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    running = start_gateway(config)
+    body = {"model": MODEL, "input": "go on", "max_output_tokens": 3000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(base_url=running.base_url, timeout=30) as client:
+            with client.stream("POST", "/v1/responses", json=body) as response:
+                assert response.status_code == 200
+                events = sse_events(list(response.iter_lines()))
+            for event in events:
+                check_event(event)
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            failed = events[-1]
+            assert failed["type"] == "response.failed", "the stream ends with response.failed, not [DONE]"
+            assert failed["response"]["status"] == "failed"
+            assert failed["response"]["error"]["code"] == "server_error"
+            assert "deadline" in failed["response"]["error"]["message"]
+            streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+            assert streamed, "tokens flowed before the deadline"
+            unfinished = failed["response"]["output"][0]
+            assert unfinished["id"] == events[2]["item"]["id"] and unfinished["status"] == "incomplete"
+            assert unfinished["content"][0]["text"] == streamed
+            assert client.get(f"/v1/responses/{failed['response']['id']}").status_code == 404
+        assert wait_until(lambda: running.engine_unfinished() == 0)
+    finally:
+        stop_gateway(running)

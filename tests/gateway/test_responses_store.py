@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from pydantic import ValidationError
@@ -125,3 +126,22 @@ def test_store_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert isinstance(explicit, SQLiteResponseStore) and explicit.path == tmp_path / "x.db"
     with pytest.raises(ValidationError, match="responses_store"):
         GatewayConfig(server={"responses_store": "redis://localhost"})
+
+
+def test_a_store_that_cannot_write_is_counted_and_answers_500s_never_crashes(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    running = _gateway(f"sqlite://{blocker}/responses.sqlite3")
+    try:
+        client = _client(running)
+        created = client.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+        assert created.output_text is not None
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.responses.retrieve(created.id)
+        assert "response store failed" in caught.value.message
+        metrics = httpx.get(f"{running.base_url}/metrics").text
+        assert "gateway_response_store_write_failures_total 1.0" in metrics
+        assert "gateway_responses_stored_total 0.0" in metrics
+        assert httpx.get(f"{running.base_url}/health").status_code == 200
+    finally:
+        stop_gateway(running)

@@ -276,12 +276,27 @@ class ResponsesFormat:
             self._on_complete(body)
         return body
 
+    def _output_so_far(self) -> list[dict[str, Any]]:
+        """The output items as they stand, the unfinished ones with their text so far, marked incomplete."""
+        output = copy.deepcopy(self._output)
+        for position, item in enumerate(self._output):
+            if item is self._open:
+                text = "".join(self._open_text)
+                if item["type"] == "reasoning":
+                    part: dict[str, Any] = {"type": "reasoning_text", "text": text}
+                else:
+                    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": self._open_logprobs}
+                output[position].update(content=[part], status="incomplete")
+            elif item is self._call:
+                output[position].update(arguments="".join(self._call_arguments), status="incomplete")
+        return output
+
     def error_frame(self, error: APIError) -> bytes:
         """A failure after the stream started: ``response.failed`` with what was generated so far."""
         body = dict(self._envelope)
         body["status"] = "failed"
         body["error"] = {"code": "server_error" if error.status >= 500 else "invalid_prompt", "message": error.message}
-        body["output"] = self._output
+        body["output"] = self._output_so_far()
         frames: list[bytes] = []
         self._emit(frames, "response.failed", {"response": body})
         return b"".join(frames)
