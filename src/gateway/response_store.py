@@ -61,17 +61,25 @@ class ResponseStore(Protocol):
     async def close(self) -> None: ...
 
 
-class MemoryResponseStore:
-    """Responses in a dict: lost on restart, not shared between processes."""
+MEMORY_MAX_RECORDS = 10_000
 
-    def __init__(self, *, max_age: float | None = None, clock: Clock = time.time) -> None:
+
+class MemoryResponseStore:
+    """Responses in a dict: lost on restart, not shared between processes, the newest ``max_records`` only."""
+
+    def __init__(
+        self, *, max_age: float | None = None, max_records: int = MEMORY_MAX_RECORDS, clock: Clock = time.time
+    ) -> None:
         self._records: dict[str, StoredResponse] = {}  # insertion order is creation order
         self._max_age = max_age
+        self._max_records = max_records
         self._clock = clock
 
     async def put(self, record: StoredResponse) -> None:
         self._expire()
         self._records[record.id] = record
+        while len(self._records) > self._max_records:
+            del self._records[next(iter(self._records))]
 
     async def get(self, response_id: str) -> StoredResponse | None:
         self._expire()

@@ -106,6 +106,13 @@ async def test_stores_drop_responses_older_than_max_age(clocked_store: tuple[Res
         await store.close()
 
 
+async def test_a_memory_store_keeps_the_newest_records_only() -> None:
+    store = MemoryResponseStore(max_records=2)
+    for i in range(3):
+        await store.put(_record(f"resp_{i}", created_at=float(i)))
+    assert [await store.get(f"resp_{i}") is not None for i in range(3)] == [False, True, True]
+
+
 async def test_a_response_is_readable_as_soon_as_its_write_is_started() -> None:
     stored = StoredResponses(MemoryResponseStore())
     stored.save(_record("resp_1", created_at=0.0))

@@ -214,7 +214,7 @@ class CreateResponseRequest(_Body):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=self.wants_logprobs(),
-            top_logprobs=self.top_logprobs or 0 if self.wants_logprobs() else 0,
+            top_logprobs=(self.top_logprobs or 0) if self.wants_logprobs() else 0,
         )
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
