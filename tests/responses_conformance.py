@@ -6,8 +6,10 @@ know (the SDK's models accept extra fields silently, which would hide a misspelt
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import orjson
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
@@ -63,3 +65,97 @@ def sse_events(lines: list[str]) -> list[dict[str, Any]]:
             events.append(payload)
             name = None
     return events
+
+
+def check_body(path: str, body: dict[str, Any]) -> None:
+    """Any successful body of a /v1/responses route."""
+    if body.get("object") == "response":
+        check_response(body)
+    elif body.get("object") == "list":
+        check_item_list(body)
+    else:
+        assert body == {"id": path.rsplit("/", 1)[-1], "object": "response.deleted", "deleted": True}, body
+
+
+class _EventChecker:
+    """Checks the SSE events of a byte stream as they pass, whole events at a time."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self._buffer = b""
+        self._counts = counts
+
+    def feed(self, chunk: bytes) -> None:
+        self._buffer += chunk.replace(b"\r\n", b"\n")
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        for event in events:
+            lines = event.decode().split("\n")
+            if any(line.startswith("data: ") for line in lines):
+                for payload in sse_events(lines):
+                    check_event(payload)
+                    self._counts["events"] += 1
+
+
+class ConformingTransport(httpx.HTTPTransport):
+    """The SDK's real HTTP transport, checking every /v1/responses body and stream event it hands the SDK."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"bodies": 0, "events": 0}
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if not request.url.path.startswith("/v1/responses") or response.status_code != 200:
+            return response
+        if response.headers["content-type"].startswith("text/event-stream"):
+            response.stream = _CheckedStream(response.stream, _EventChecker(self.counts))  # type: ignore[arg-type]
+        else:
+            check_body(request.url.path, orjson.loads(response.read()))
+            self.counts["bodies"] += 1
+        return response
+
+
+class AsyncConformingTransport(httpx.AsyncHTTPTransport):
+    """``ConformingTransport`` for the async client."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"bodies": 0, "events": 0}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if not request.url.path.startswith("/v1/responses") or response.status_code != 200:
+            return response
+        if response.headers["content-type"].startswith("text/event-stream"):
+            response.stream = _AsyncCheckedStream(response.stream, _EventChecker(self.counts))  # type: ignore[arg-type]
+        else:
+            check_body(request.url.path, orjson.loads(await response.aread()))
+            self.counts["bodies"] += 1
+        return response
+
+
+class _CheckedStream(httpx.SyncByteStream):
+    def __init__(self, inner: httpx.SyncByteStream, checker: _EventChecker) -> None:
+        self._inner = inner
+        self._checker = checker
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._inner:
+            self._checker.feed(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class _AsyncCheckedStream(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, checker: _EventChecker) -> None:
+        self._inner = inner
+        self._checker = checker
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._inner:
+            self._checker.feed(chunk)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
 from gateway.config import GatewayConfig
 
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway
+from ..responses_conformance import ConformingTransport
 
 
 @pytest.fixture(scope="session")
@@ -27,5 +29,17 @@ def responses_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runn
 
 
 @pytest.fixture(scope="session")
-def responses_client(responses_gateway: RunningGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{responses_gateway.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+def conforming_transport() -> ConformingTransport:
+    return ConformingTransport()
+
+
+@pytest.fixture(scope="session")
+def responses_client(responses_gateway: RunningGateway, conforming_transport: ConformingTransport) -> openai.OpenAI:
+    """The openai SDK, over a transport that checks every Responses body and event against the SDK's types."""
+    return openai.OpenAI(
+        base_url=f"{responses_gateway.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+        http_client=httpx.Client(transport=conforming_transport),
+    )

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from gateway.config import GatewayConfig
 
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
-from ..responses_conformance import check_event, check_item_list, check_response, sse_events
+from ..responses_conformance import ConformingTransport, check_event, check_item_list, check_response, sse_events
 
 QUESTION = "Tell me about the module."
 CITIES = ["Paris", "Rome", "Oslo"]
@@ -67,9 +67,11 @@ def stream(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_string_input_gives_a_conforming_response_with_text_and_usage(
-    responses_client: openai.OpenAI, http: httpx.Client
+    responses_client: openai.OpenAI, http: httpx.Client, conforming_transport: ConformingTransport
 ) -> None:
+    checked = conforming_transport.counts["bodies"]
     response = responses_client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=400)
+    assert conforming_transport.counts["bodies"] == checked + 1
     assert response.id.startswith("resp_")
     assert response.status == "completed" and response.model == MODEL
     assert [item.type for item in response.output] == ["message"]
@@ -137,12 +139,16 @@ def test_stream_follows_openais_event_sequence_and_rebuilds_the_whole_response(h
     assert whole["output"][0]["content"][0]["text"] == streamed
 
 
-def test_sdk_stream_yields_text_events_and_a_final_response(responses_client: openai.OpenAI) -> None:
+def test_sdk_stream_yields_text_events_and_a_final_response(
+    responses_client: openai.OpenAI, conforming_transport: ConformingTransport
+) -> None:
+    checked = conforming_transport.counts["events"]
     with responses_client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=400) as events:
         deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
         final = events.get_final_response()
     assert deltas and "".join(deltas) == final.output_text
     assert final.status == "completed"
+    assert conforming_transport.counts["events"] == checked + len(deltas) + 8, "every event the SDK saw was checked"
 
 
 def test_parse_fills_a_bounded_pydantic_model(responses_client: openai.OpenAI, http: httpx.Client) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+import httpx
 import openai
 import pytest
 from agents import (
@@ -19,6 +20,7 @@ from agents import (
 from agents.items import ToolCallItem, ToolCallOutputItem
 
 from ..conftest import MODEL, RunningGateway
+from ..responses_conformance import AsyncConformingTransport
 
 set_tracing_disabled(True)  # no trace export to OpenAI's servers
 
@@ -38,7 +40,13 @@ async def test_agent_calls_its_tool_then_answers(responses_gateway: RunningGatew
         cities.append(city)
         return f"Sunny and 24 C in {city}."
 
-    client = openai.AsyncOpenAI(base_url=f"{responses_gateway.base_url}/v1", api_key="unused", max_retries=0)
+    transport = AsyncConformingTransport()  # every Responses body and event the Agents SDK reads is checked
+    client = openai.AsyncOpenAI(
+        base_url=f"{responses_gateway.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=transport),
+    )
     agent = Agent(
         name="forecaster",
         instructions="Answer with the weather, using the tool.",
@@ -61,3 +69,5 @@ async def test_agent_calls_its_tool_then_answers(responses_gateway: RunningGatew
     assert kinds.index(ToolCallItem) < kinds.index(ToolCallOutputItem)
     assert len(result.raw_responses) == 2, "one turn to call the tool, one to answer"
     assert isinstance(result.final_output, str) and result.final_output
+    if kind == "responses":
+        assert transport.counts["events" if streamed else "bodies"] >= 2
