@@ -428,3 +428,28 @@ def test_a_stream_past_its_deadline_ends_with_response_failed_and_is_not_stored(
         assert wait_until(lambda: running.engine_unfinished() == 0)
     finally:
         stop_gateway(running)
+
+
+def test_thinking_then_a_forced_call_then_its_output(responses_client: openai.OpenAI) -> None:
+    with responses_client.responses.stream(
+        model=MODEL,
+        input="What is the weather in Oslo?",
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        reasoning={"effort": "high"},
+        max_output_tokens=400,
+    ) as events:
+        called = events.get_final_response()
+    assert [item.type for item in called.output][:2] == ["reasoning", "function_call"]
+    call = called.output[1]
+    assert call.type == "function_call" and json.loads(call.arguments)["city"] in CITIES
+    answered = responses_client.responses.create(
+        model=MODEL,
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "snow"}],
+        tools=[WEATHER_TOOL],
+        reasoning={"effort": "high"},
+        max_output_tokens=400,
+    )
+    assert answered.output[0].type == "reasoning" and answered.usage is not None
+    assert answered.usage.input_tokens > called.usage.input_tokens + called.usage.output_tokens  # type: ignore[union-attr]
