@@ -1,12 +1,18 @@
-"""What this gateway adds in front of an HTTP upstream, next to what LiteLLM's proxy adds, in one interleaved run.
+"""What this gateway adds in front of an HTTP upstream, next to what LMDeploy's and LiteLLM's proxies add, in one
+interleaved run.
 
-Three ways to reach the same OpenAI-compatible upstream:
+Four ways to reach the same OpenAI-compatible upstream:
 
 - ``direct``: the upstream itself;
 - ``gateway``: this gateway with one ``kind: lmdeploy`` backend pointing at the upstream;
+- ``lmdeploy``: LMDeploy's own proxy (``lmdeploy serve proxy``) with the upstream registered as its node, run
+  from the LMDeploy virtualenv the test harness builds once per machine (``tests/backends/lmdeploy/harness``);
 - ``litellm``: LiteLLM's proxy (``litellm --config``, one worker) with the upstream as an ``openai/`` model,
   installed in its own virtualenv under ``$DEEPINFER_GATEWAY_CACHE/litellm-venv`` (default
   ``~/.cache/deepinfer-gateway``) so its dependencies never touch this project's.
+
+With ``--pin`` (the default on a machine with at least 2 cores) every proxy runs on core 0 and the upstream and
+this load generator on core 1, so each proxy gets the same single core and never competes with the load.
 
 The upstream is started by the script (``--upstream reference``: a second instance of this gateway on the CPU
 reference engine, timing model off; ``--upstream fake``: ``gateway.bench.fake_upstream``, the cheapest possible
@@ -91,18 +97,33 @@ def wait_ready(url: str, path: str, process: subprocess.Popen[bytes] | None, tim
     return run_event_loop(poll())
 
 
-def start(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+PROXY_CORE: set[int] | None = None
+"""Cores the proxies under test run on (``--pin``); the upstream and the load generator get the others."""
+LOAD_CORES: set[int] | None = None
+
+
+def start(
+    command: list[str], log: Path, env: dict[str, str] | None = None, cores: set[int] | None = None
+) -> subprocess.Popen[bytes]:
+    def pin() -> None:
+        if cores:
+            os.sched_setaffinity(0, cores)
+
     with log.open("wb") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, preexec_fn=pin
+        )
 
 
-def serve_gateway(config: dict[str, Any], workdir: Path, name: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+def serve_gateway(
+    config: dict[str, Any], workdir: Path, name: str, cores: set[int] | None
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_port()
     path = workdir / f"{name}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     log = workdir / f"{name}.log"
     command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)]
-    return start(command, log), f"http://127.0.0.1:{port}", log
+    return start(command, log, cores=cores), f"http://127.0.0.1:{port}", log
 
 
 def start_upstream(kind: str, model: str | None, workdir: Path, pace_ms: float) -> Target:
@@ -112,14 +133,14 @@ def start_upstream(kind: str, model: str | None, workdir: Path, pace_ms: float) 
             "backends": [{"name": "reference", "kind": "reference", "max_num_seqs": 256}],
             "models": [{"name": "deepinfer-reference", "backends": ["reference"]}],
         }
-        process, url, log = serve_gateway(config, workdir, "upstream")
+        process, url, log = serve_gateway(config, workdir, "upstream", LOAD_CORES)
         target = Target("direct", url, "deepinfer-reference", process, log=log)
         ready = "/ready"
     elif kind == "fake":
         port = free_port()
         log = workdir / "upstream.log"
         command = [sys.executable, "-m", "gateway.bench.fake_upstream", "--port", str(port), "--pace-ms", str(pace_ms)]
-        target = Target("direct", f"http://127.0.0.1:{port}", "fake", start(command, log), log=log)
+        target = Target("direct", f"http://127.0.0.1:{port}", "fake", start(command, log, cores=LOAD_CORES), log=log)
         ready = "/health"
     else:
         target = Target("direct", kind.rstrip("/").removesuffix("/v1"), model or "")
@@ -155,7 +176,7 @@ def start_gateway(upstream: Target, workdir: Path, connections: int) -> Target:
         ],
         "models": [{"name": upstream.model, "backends": ["upstream"]}],
     }
-    process, url, log = serve_gateway(config, workdir, "gateway")
+    process, url, log = serve_gateway(config, workdir, "gateway", PROXY_CORE)
     target = Target("gateway", url, upstream.model, process, log=log)
     target.skipped = wait_ready(url, "/ready", process, 60)
     return target
@@ -210,7 +231,7 @@ def start_litellm(upstream: Target, workdir: Path, version: str | None) -> Targe
     log = workdir / "litellm.log"
     litellm = python.parent / "litellm"
     command = [str(litellm), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
-    target.process = start(command, log, {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"})
+    target.process = start(command, log, {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}, PROXY_CORE)
     target.url, target.log = f"http://127.0.0.1:{port}", log
     target.extra["version"] = subprocess.run(
         [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
@@ -220,6 +241,57 @@ def start_litellm(upstream: Target, workdir: Path, version: str | None) -> Targe
     ).stdout.strip()
     target.skipped = wait_ready(target.url, "/health/liveliness", target.process, 180)
     return target
+
+
+def start_lmdeploy_proxy(upstream: Target, workdir: Path) -> Target:
+    """LMDeploy's ``lmdeploy serve proxy`` with the upstream registered as its one Hybrid node."""
+    target = Target("lmdeploy", "", upstream.model)
+    sys.path.insert(0, str(ROOT))
+    from tests.backends.lmdeploy.harness.venv import ensure_harness_venv
+
+    try:
+        python = ensure_harness_venv(quiet=True)
+    except (subprocess.CalledProcessError, OSError, RuntimeError) as exc:
+        target.skipped = f"could not build the LMDeploy virtualenv: {exc}"
+        return target
+    port = free_port()
+    log = workdir / "lmdeploy-proxy.log"
+    command = [  # python -m: the virtualenv's console scripts name the folder it was built in
+        str(python),
+        "-m",
+        "lmdeploy",
+        "serve",
+        "proxy",
+        "--server-name",
+        "127.0.0.1",
+        "--server-port",
+        str(port),
+        "--disable-cache-status",
+        "--log-level",
+        "ERROR",
+    ]
+    target.process = start(command, log, cores=PROXY_CORE)
+    target.url, target.log = f"http://127.0.0.1:{port}", log
+    target.extra["version"] = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('lmdeploy'))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    target.skipped = wait_ready(target.url, "/nodes/status", target.process, 180)
+    if target.skipped is None:
+        target.skipped = register_node(target.url, upstream)
+    return target
+
+
+def register_node(proxy: str, upstream: Target) -> str | None:
+    async def add() -> str | None:
+        node = {"url": upstream.url, "status": {"models": [upstream.model], "role": 1}}
+        async with aiohttp.ClientSession() as session, session.post(f"{proxy}/nodes/add", json=node) as response:
+            text = await response.text()
+            return None if response.status == 200 and "success" in text.lower() else f"/nodes/add: {text[:200]}"
+
+    return run_event_loop(add())
 
 
 async def run_cell(
@@ -306,11 +378,17 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], stream: bool) -> dict[str
                 base = row[key] if row[key] is not None else None
                 row[f"ratio_{key}"] = base / out["direct"][key] if base and out["direct"][key] else None
         out[name] = row
-    gateway, litellm = out.get("gateway"), out.get("litellm")
-    if gateway and litellm:
-        for key in keys:
-            g, lt = gateway.get(f"added_{key}"), litellm.get(f"added_{key}")
-            out.setdefault("litellm_added_over_gateway_added", {})[key] = lt / g if g and lt and g > 0 else None
+    gateway = out.get("gateway")
+    for peer in ("lmdeploy", "litellm"):
+        other = out.get(peer)
+        if gateway and other:
+            ratios = out.setdefault(f"{peer}_over_gateway", {})
+            for key in keys:
+                g, o = gateway.get(f"added_{key}"), other.get(f"added_{key}")
+                ratios[f"added_{key}"] = o / g if g and o and g > 0 else None
+            ratios["req_per_s"] = (
+                gateway["req_per_s"] / other["req_per_s"] if gateway["req_per_s"] and other["req_per_s"] else None
+            )
     return out
 
 
@@ -318,14 +396,16 @@ def fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def print_cell(stream: bool, concurrency: int, summary: dict[str, Any]) -> None:
+def print_cell(stream: bool, concurrency: int, summary: dict[str, Any], chunks: int) -> None:
     """One line per target: its percentiles, and for gateway and LiteLLM what they add over direct."""
     mode = f"{'stream' if stream else 'non-stream':10s} c={concurrency:<3d}"
     key = "ttft_p50_ms" if stream else "latency_p50_ms"
     for name, row in summary.items():
-        if name == "litellm_added_over_gateway_added":
-            ratios = ", ".join(f"{k} {fmt(v, 1)}x" for k, v in row.items())
-            print(f"  {mode} LiteLLM added / gateway added: {ratios}")
+        if name.endswith("_over_gateway"):
+            peer = name.removesuffix("_over_gateway")
+            ratios = ", ".join(f"{k} {fmt(v, 2)}x" for k, v in row.items() if k != "req_per_s")
+            throughput = fmt(row["req_per_s"])
+            print(f"  {mode} {peer} added / gateway added: {ratios}; gateway req/s / {peer} req/s {throughput}")
             continue
         line = f"  {mode} {name:8s} p50 {fmt(row['latency_p50_ms'])} p99 {fmt(row['latency_p99_ms'])}"
         if stream:
@@ -335,6 +415,8 @@ def print_cell(stream: bool, concurrency: int, summary: dict[str, Any]) -> None:
             line += f"  added p50 {fmt(row.get('added_latency_p50_ms'))} p99 {fmt(row.get('added_latency_p99_ms'))}"
             if stream:
                 line += f" TTFT p50 {fmt(row.get('added_ttft_p50_ms'))}"
+                per_chunk = row.get("added_latency_p50_ms")
+                line += f" per chunk {fmt(per_chunk / chunks if per_chunk is not None else None, 4)}"
             line += f"  {fmt(row.get('ratio_' + key))}x direct"
         print(line)
 
@@ -351,17 +433,31 @@ def main() -> None:
     parser.add_argument("--round-seconds", type=float, default=2.0, help="seconds per target per cell per round")
     parser.add_argument("--max-tokens", type=int, default=16, help="non-streaming answer length")
     parser.add_argument("--stream-tokens", type=int, default=64, help="streaming answer length")
-    parser.add_argument("--no-litellm", action="store_true", help="compare with direct only")
+    parser.add_argument("--no-litellm", action="store_true", help="leave LiteLLM's proxy out")
+    parser.add_argument("--no-lmdeploy", action="store_true", help="leave LMDeploy's proxy out")
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=(os.cpu_count() or 1) >= 2,
+        help="proxies on core 0, upstream and load generator on the others (default with 2+ cores)",
+    )
     parser.add_argument("--litellm-version", default=None, help="pin litellm[proxy] (default: newest)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway_overhead.json")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    global PROXY_CORE, LOAD_CORES
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        PROXY_CORE, LOAD_CORES = {cores[0]}, set(cores[1:])
+        os.sched_setaffinity(0, LOAD_CORES)
     workdir = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
     targets: list[Target] = []
     try:
         upstream = start_upstream(args.upstream, args.upstream_model, workdir, args.pace_ms)
         targets.append(upstream)
         targets.append(start_gateway(upstream, workdir, max(levels) * 2))
+        if not args.no_lmdeploy:
+            targets.append(start_lmdeploy_proxy(upstream, workdir))
         if not args.no_litellm:
             targets.append(start_litellm(upstream, workdir, args.litellm_version))
         for target in targets:
@@ -391,7 +487,7 @@ def main() -> None:
         for (stream, concurrency), per_target in rounds.items():
             summary = summarize(per_target, stream)
             results.append({"stream": stream, "concurrency": concurrency, "summary": summary, "rounds": per_target})
-            print_cell(stream, concurrency, summary)
+            print_cell(stream, concurrency, summary, args.stream_tokens if stream else 1)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(
             orjson.dumps(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
@@ -25,6 +26,7 @@ from gateway.response_store import StoredResponses, open_response_store
 from gateway.router import ModelRouter
 from gateway.routes import admin, generate, models, operations, responses
 from gateway.state import GatewayState
+from gateway.state_store import SharedStateStore
 
 logger = logging.getLogger(__name__)
 GC_GEN0_THRESHOLD = 10_000
@@ -45,13 +47,18 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
         backends = built
     metrics = GatewayMetrics()
     metrics.watch_backends(backends.values())
+    server = config.server
+    store = SharedStateStore(server.state_store, clock=time.monotonic) if server.state_store else None
+    if store is not None:
+        metrics.watch_state_store(store)
     state = GatewayState(
         config=config,
         backends=dict(backends),
         router=ModelRouter(config.models, backends, metrics.registry),
         metrics=metrics,
         start_errors=start_errors,
-        limits=KeyLimits(config.server),
+        limits=KeyLimits(server, store=store, processes=server.workers),
+        store=store,
         responses=StoredResponses(
             open_response_store(config.server.responses_store, max_age=config.server.responses_max_age),
             metrics.registry,
@@ -64,11 +71,16 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
         starting = asyncio.create_task(_start_backends(state))
         if config.server.gc_tuning:
             starting.add_done_callback(_freeze_gc)
+        watching = asyncio.create_task(store.watch()) if store is not None else None
         try:
             yield
         finally:
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
+            if watching is not None and store is not None:
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
+                await store.close()
             await state.router.aclose()  # shadow requests: cancelled, they never hold the shutdown up
             await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
             await state.responses.aclose()  # type: ignore[union-attr]

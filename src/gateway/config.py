@@ -22,7 +22,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from backends.config import BackendConfig, ReferenceBackendConfig
+from backends.config import BackendConfig, LMDeployBackendConfig, ReferenceBackendConfig
 
 DEFAULT_MODEL_NAME = "deepinfer-reference"
 DEFAULT_BACKEND_NAME = "reference"
@@ -71,6 +71,22 @@ class ServerConfig(BaseModel):
     )
     responses_max_age: float | None = Field(
         30 * 24 * 3600.0, gt=0, description="seconds a stored response is kept; null: forever"
+    )
+    token_reservation: int = Field(
+        512,
+        ge=0,
+        description="tokens a request reserves from its key's tokens_per_minute when it names no max_tokens; "
+        "settled with its real usage when it ends",
+    )
+    state_store: str | None = Field(
+        None,
+        pattern=r"^(redis|rediss|unix)://",
+        description="redis://host:port/db: per-key budgets (and stored responses) shared by every process and "
+        "replica; unset: each process keeps its own, each with 1/workers of every budget",
+        repr=False,
+    )
+    workers: int = Field(
+        1, ge=1, le=256, description="front-end processes serving one port (uvicorn workers); see README, Scale out"
     )
 
     def client_keys(self) -> list[ApiKeyConfig]:
@@ -231,6 +247,14 @@ class GatewayConfig(BaseSettings):
             raise ValueError(f"models: duplicate model name(s) {duplicates}")
         if not self.models:
             raise ValueError("models: at least one model must be served")
+        if self.server.workers > 1:
+            for i, backend in enumerate(self.backends):
+                shared_engine = isinstance(backend, ReferenceBackendConfig) and backend.uses_workers
+                if shared_engine or not isinstance(backend, ReferenceBackendConfig | LMDeployBackendConfig):
+                    raise ValueError(
+                        f"backends[{i}]: server.workers > 1 would start one engine per front-end process; "
+                        "in-process engines and their ranks are served by one front end (server.workers: 1)"
+                    )
         for i, model in enumerate(self.models):
             for j, target in enumerate(model.targets()):
                 if target.backend not in names:

@@ -1,76 +1,90 @@
 """Per-key request and token limits (429) and per-backend admission control (503), both with Retry-After.
 
-Token buckets refill continuously; tokens are charged when a request finishes (its usage is known then), so
-a key may overdraw once and then waits until the bucket refills. Admission bounds a backend's in-flight
-requests and keeps a bounded FIFO of waiters with a timeout: never an unbounded queue.
+Budgets are token buckets that refill over a minute (``gateway.budgets``). A request takes one request and
+reserves tokens when it is admitted (its ``max_tokens``, or ``server.token_reservation`` when it names none,
+never more than the budget), and is settled with its real usage when it ends, so concurrent requests cannot all
+pass a spent budget. With ``server.state_store`` the buckets live in Redis and are exact across processes and
+replicas; without it, or while the store is down, each of a host's N front-end processes allows 1/N of every
+budget. Admission bounds a backend's in-flight requests and keeps a bounded FIFO of waiters with a timeout:
+never an unbounded queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import math
 import time
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from backends.errors import OverloadedError
+from gateway.budgets import BudgetStore, Clock, Draw, LocalBudgets, RedisBudgets, Take, seconds_until
 from gateway.config import ApiKeyConfig, ServerConfig
 from gateway.errors import APIError
+from gateway.state_store import STORE_FAILURES, SharedStateStore
+
+logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Bucket:
-    capacity: float
-    level: float
-    updated: float = field(default_factory=time.monotonic)
+class Admission(NamedTuple):
+    """What admitting a request took from its key's budgets, and the rate-limit headers to send."""
 
-    def refill(self, now: float) -> None:
-        self.level = min(self.capacity, self.level + (now - self.updated) * self.capacity / 60.0)
-        self.updated = now
-
-    def seconds_until(self, amount: float) -> float:
-        return max(0.0, (amount - self.level) * 60.0 / self.capacity)
+    label: str
+    reserved_tokens: int
+    headers: dict[str, str]
 
 
 class KeyLimits:
-    """Requests-per-minute and tokens-per-minute buckets for every client key label."""
+    """Requests-per-minute and tokens-per-minute budgets for every client key label."""
 
-    def __init__(self, server: ServerConfig) -> None:
+    def __init__(
+        self,
+        server: ServerConfig,
+        *,
+        store: SharedStateStore | None = None,
+        processes: int = 1,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self._limits: dict[str, tuple[int | None, int | None]] = {}
         for position, key in enumerate(server.client_keys()):
             label = key.name or f"key-{position}"
             self._limits[label] = _limits_of(key, server)
         self._default = (server.requests_per_minute, server.tokens_per_minute)
-        self._requests: dict[str, _Bucket] = {}
-        self._tokens: dict[str, _Bucket] = {}
+        self._reservation = server.token_reservation
+        self._local = LocalBudgets(clock, share=1.0 / processes)
+        self.store = store
+        self._shared: BudgetStore | None = RedisBudgets(store.client) if store is not None else None
+        self._settling: set[asyncio.Task[None]] = set()
 
-    def admit(self, label: str) -> dict[str, str]:
-        """Takes one request from the key's budget; raises a 429 with Retry-After when it is spent."""
-        rpm, tpm = self._limits.get(label, self._default)
+    def limits_of(self, label: str) -> tuple[int | None, int | None]:
+        return self._limits.get(label, self._default)
+
+    async def admit(self, label: str, max_tokens: int | None) -> Admission:
+        """Takes one request and reserves tokens from the key's budgets; raises a 429 with Retry-After when
+        a budget cannot cover it."""
+        rpm, tpm = self.limits_of(label)
         if rpm is None and tpm is None:
-            return {}
-        now = time.monotonic()
+            return Admission(label, 0, {})
+        draws: list[Draw] = []
+        reserved = 0
+        if rpm is not None:
+            draws.append(Draw(f"{label}:requests", rpm, 1, 1))
+        if tpm is not None:
+            reserved = min(tpm, max_tokens if max_tokens is not None else self._reservation)
+            draws.append(Draw(f"{label}:tokens", tpm, max(1, reserved), reserved))
+        take = await self._take(draws)
         headers: dict[str, str] = {}
         waits: list[float] = []
-        if rpm is not None:
-            bucket = self._requests.setdefault(label, _Bucket(rpm, rpm, now))
-            bucket.refill(now)
-            if bucket.level < 1:
-                waits.append(bucket.seconds_until(1))
-            headers["x-ratelimit-limit-requests"] = str(rpm)
-            headers["x-ratelimit-reset-requests"] = f"{bucket.seconds_until(bucket.capacity):.3f}s"
-        if tpm is not None:
-            bucket = self._tokens.setdefault(label, _Bucket(tpm, tpm, now))
-            bucket.refill(now)
-            if bucket.level <= 0:
-                waits.append(bucket.seconds_until(1))
-            headers["x-ratelimit-limit-tokens"] = str(tpm)
-            headers["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(bucket.level)))
-            headers["x-ratelimit-reset-tokens"] = f"{bucket.seconds_until(bucket.capacity):.3f}s"
-        if waits:
-            retry = max(waits)
-            if rpm is not None:
-                headers["x-ratelimit-remaining-requests"] = "0"
+        for draw, level in zip(draws, take.levels, strict=True):
+            kind = "requests" if draw.key.endswith(":requests") else "tokens"
+            headers[f"x-ratelimit-limit-{kind}"] = str(int(draw.capacity))
+            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(level)))
+            headers[f"x-ratelimit-reset-{kind}"] = f"{seconds_until(level, draw.capacity, draw.capacity):.3f}s"
+            if not take.granted and level < min(draw.require, draw.capacity):
+                waits.append(seconds_until(level, min(draw.require, draw.capacity), draw.capacity))
+        if not take.granted:
+            retry = max(waits, default=1.0)
             raise APIError(
                 429,
                 f"Rate limit reached for {label}: retry after {retry:.1f} s.",
@@ -78,16 +92,39 @@ class KeyLimits:
                 code="rate_limit_exceeded",
                 headers={**headers, "Retry-After": str(max(1, math.ceil(retry)))},
             )
-        if rpm is not None:
-            self._requests[label].level -= 1
-            headers["x-ratelimit-remaining-requests"] = str(max(0, math.floor(self._requests[label].level)))
-        return headers
+        return Admission(label, reserved, headers)
 
-    def charge(self, label: str, tokens: int) -> None:
-        bucket = self._tokens.get(label)
-        if bucket is not None and tokens:
-            bucket.refill(time.monotonic())
-            bucket.level -= tokens
+    def settle(self, admission: Admission, used_tokens: int) -> None:
+        """Charges the request's real usage against what it reserved (called once, when it ends)."""
+        _, tpm = self.limits_of(admission.label)
+        delta = admission.reserved_tokens - used_tokens
+        if tpm is None or delta == 0:
+            return
+        task = asyncio.get_running_loop().create_task(self._adjust(f"{admission.label}:tokens", tpm, delta))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _take(self, draws: list[Draw]) -> Take:
+        if self._shared is not None and self.store is not None and self.store.usable():
+            try:
+                take = await self._shared.take(draws)
+            except STORE_FAILURES as exc:
+                self.store.failed(exc)
+            else:
+                self.store.succeeded()
+                return take
+        return await self._local.take(draws)
+
+    async def _adjust(self, key: str, capacity: float, delta: float) -> None:
+        if self._shared is not None and self.store is not None and self.store.usable():
+            try:
+                await self._shared.adjust(key, capacity, delta)
+            except STORE_FAILURES as exc:
+                self.store.failed(exc)
+            else:
+                self.store.succeeded()
+                return
+        await self._local.adjust(key, capacity, delta)
 
 
 def _limits_of(key: ApiKeyConfig, server: ServerConfig) -> tuple[int | None, int | None]:

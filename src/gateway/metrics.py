@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from backends.interface import Backend
+    from gateway.state_store import SharedStateStore
 
 TTFT_BUCKETS = (
     0.001,
@@ -100,6 +101,9 @@ class GatewayMetrics:
 
     def watch_backends(self, backends: Iterable[Backend]) -> None:
         self.registry.register(_BackendCollector(list(backends)))
+
+    def watch_state_store(self, store: SharedStateStore) -> None:
+        self.registry.register(_StateStoreCollector(store))
 
     def observer(self, model: str, backend: str, log: dict[str, object]) -> RequestObserver:
         return RequestObserver(self, model, backend, log)
@@ -245,3 +249,17 @@ class _BackendCollector(Collector):
                     family = families[name] = family_type(f"gateway_{name}", documentation, labels=["backend"])
                 family.add_metric([backend.name], value)
         return families.values()
+
+
+class _StateStoreCollector(Collector):
+    """Whether the shared state store answers; while it does not, budgets are local to each process."""
+
+    def __init__(self, store: SharedStateStore) -> None:
+        self._store = store
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        up = GaugeMetricFamily("gateway_state_store_up", "1 while the shared state store answers.")
+        up.add_metric([], 1.0 if self._store.up else 0.0)
+        failures = CounterMetricFamily("gateway_state_store_failures", "Calls to the shared state store that failed.")
+        failures.add_metric([], self._store.failures)
+        yield from (up, failures)

@@ -1,8 +1,16 @@
-"""Runs the app under uvicorn with the settings and shutdown behaviour a serving gateway needs."""
+"""Runs the app under uvicorn with the settings and shutdown behaviour a serving gateway needs: one process,
+or ``server.workers`` front-end processes sharing one listening socket under a small supervisor."""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
 import sys
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -11,6 +19,11 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.logs import configure_logging
+
+logger = logging.getLogger(__name__)
+_spawn = multiprocessing.get_context("spawn")
+RESTART_PAUSE_SECONDS = 1.0
+multiprocessing.allow_connection_pickling()  # the listening socket goes to each worker process
 
 
 class DrainingServer(uvicorn.Server):
@@ -27,7 +40,7 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(settings: GatewayConfig) -> None:
+def _serve(settings: GatewayConfig, sockets: list[socket.socket] | None = None) -> None:
     configure_logging(settings.server.log_level)
     # The engine thread and the event loop share the GIL. With the default 5 ms switch interval, every numpy or
     # C++ call that releases the GIL on the engine thread can wait up to 5 ms to get it back from a busy loop.
@@ -43,4 +56,62 @@ def run_server(settings: GatewayConfig) -> None:
         access_log=False,
         timeout_graceful_shutdown=settings.server.drain_seconds,
     )
-    DrainingServer(config, on_exit=app.state.gateway.begin_drain).run()
+    DrainingServer(config, on_exit=app.state.gateway.begin_drain).run(sockets=sockets)
+
+
+def run_server(settings: GatewayConfig) -> None:
+    if settings.server.workers == 1:
+        _serve(settings)
+    else:
+        FrontEndSupervisor(settings).run()
+
+
+class FrontEndSupervisor:
+    """Binds the port once and keeps ``server.workers`` gateway processes serving it: a worker that dies is
+    started again; SIGTERM/SIGINT is passed on to every worker, which drains as a single process would."""
+
+    def __init__(self, settings: GatewayConfig) -> None:
+        self.settings = settings
+        self.stopping = False
+        self.workers: list[multiprocessing.process.BaseProcess] = []
+
+    def _bind(self) -> socket.socket:
+        server = self.settings.server
+        family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((server.host, server.port))
+        sock.set_inheritable(True)
+        return sock
+
+    def _start(self, sock: socket.socket) -> multiprocessing.process.BaseProcess:
+        worker = _spawn.Process(target=_serve, args=(self.settings, [sock]), daemon=False)
+        worker.start()
+        logger.info("front-end process %s started", worker.pid)
+        return worker
+
+    def _stop(self, sig: int, frame: FrameType | None) -> None:
+        self.stopping = True
+        for worker in self.workers:
+            if worker.pid is not None and worker.exitcode is None:
+                os.kill(worker.pid, signal.SIGTERM)
+
+    def run(self) -> None:
+        configure_logging(self.settings.server.log_level)
+        sock = self._bind()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._stop)
+        self.workers = [self._start(sock) for _ in range(self.settings.server.workers)]
+        logger.info("serving on %s:%s with %d front-end processes", *sock.getsockname()[:2], len(self.workers))
+        while True:
+            alive = [w for w in self.workers if w.exitcode is None]
+            if not alive:
+                break
+            multiprocessing.connection.wait([w.sentinel for w in alive])
+            for position, worker in enumerate(self.workers):
+                if worker.exitcode is None or self.stopping:
+                    continue
+                logger.warning("front-end process %s exited with %s; starting another", worker.pid, worker.exitcode)
+                time.sleep(RESTART_PAUSE_SECONDS)  # a process that cannot start must not spin the host
+                self.workers[position] = self._start(sock)
+        sock.close()

@@ -13,6 +13,7 @@ from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.response_store import StoredResponses
 from gateway.router import ModelRouter
+from gateway.state_store import SharedStateStore
 
 
 @dataclass
@@ -26,6 +27,8 @@ class GatewayState:
     limits: KeyLimits | None = None
     responses: StoredResponses | None = None
     """Stored Responses API responses (``server.responses_store``)."""
+    store: SharedStateStore | None = None
+    """The shared state store (``server.state_store``), if one is configured."""
     draining: bool = False
     """Set on SIGTERM: /ready turns 503 and new generation requests are refused while in-flight ones finish."""
 

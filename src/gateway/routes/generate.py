@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from backends.interface import Backend, Event, GenerateRequest
 from gateway.errors import APIError
+from gateway.limits import Admission
 from gateway.metrics import RequestObserver
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.responses import ChatFormat, CompletionFormat
@@ -29,11 +30,11 @@ def _check_n(n: int, state: GatewayState) -> None:
         raise APIError(400, f"n must be at most {state.config.server.max_n}.", param="n")
 
 
-def _admit_client(request: Request, state: GatewayState) -> tuple[str, dict[str, str]]:
-    """The client's key label and its rate-limit headers; raises a 429 when its budget is spent."""
+async def _admit_client(request: Request, state: GatewayState, max_tokens: int | None) -> Admission:
+    """Takes the request from its key's budgets (rate-limit headers included); raises a 429 when they are spent."""
     label = getattr(request.state, "api_key", None) or "anonymous"
     assert state.limits is not None
-    return label, state.limits.admit(label)
+    return await state.limits.admit(label, max_tokens)
 
 
 def _timeouts(state: GatewayState) -> Timeouts:
@@ -65,8 +66,7 @@ async def _respond(
     make_format: Callable[[str], ChatFormat | CompletionFormat],
     *,
     model: str,
-    label: str,
-    limit_headers: dict[str, str],
+    admission: Admission,
     stream: bool,
     include_usage: bool,
     want_logprobs: bool,
@@ -75,8 +75,8 @@ async def _respond(
     backend = events.backend
     fmt = make_format(_fingerprint(backend))
     observer = state.metrics.observer(model, backend.name, request.state.log)
-    observer.on_finish = functools.partial(state.limits.charge, label)  # type: ignore[union-attr]
-    headers = {"X-Backend": backend.name, **limit_headers}
+    observer.on_finish = functools.partial(state.limits.settle, admission)  # type: ignore[union-attr]
+    headers = {"X-Backend": backend.name, **admission.headers}
     events.served_by = _served_by(fmt, observer, headers)
     timeouts = _timeouts(state)
     if stream:
@@ -100,7 +100,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     problem = body.tool_choice_problem()
     if problem is not None:
         raise APIError(400, problem, param="tool_choice")
-    label, limit_headers = _admit_client(request, state)
+    limit = body.output_limit()
+    admission = await _admit_client(request, state, limit * body.n if limit is not None else None)
     generate = GenerateRequest(
         request_id=request.state.request_id,
         model=body.model,
@@ -126,8 +127,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, fingerprint, body.n
         ),
         model=body.model,
-        label=label,
-        limit_headers=limit_headers,
+        admission=admission,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         want_logprobs=body.logprobs,
@@ -143,7 +143,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise APIError(400, f"at most {MAX_PROMPTS} prompts are allowed in one request.", param="prompt")
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported yet.", param="echo")
-    label, limit_headers = _admit_client(request, state)
+    reserve = body.max_tokens * len(prompts) * body.n if body.max_tokens is not None else None
+    admission = await _admit_client(request, state, reserve)
     sampling = body.sampling_options(
         max_tokens=body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0
     )
@@ -175,8 +176,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, fingerprint, choices
         ),
         model=body.model,
-        label=label,
-        limit_headers=limit_headers,
+        admission=admission,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         want_logprobs=body.logprobs is not None,

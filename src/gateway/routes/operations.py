@@ -40,7 +40,9 @@ async def ready(request: Request) -> Response:
     if state.draining:
         all_ready = False
     status = "draining" if state.draining else "ready" if all_ready else "not_ready"
-    body = {"status": status, "backends": backends}
+    body: dict[str, Any] = {"status": status, "backends": backends}
+    if state.store is not None:  # detail only: while the store is down, limits fall back to local budgets
+        body["state_store"] = state.store.readiness()
     return Response(orjson.dumps(body), status_code=200 if all_ready else 503, media_type="application/json")
 
 

@@ -81,7 +81,7 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
         raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="input")
     if body.tools and len(body.tools) > server.max_tools:
         raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
-    label, limit_headers = _admit_client(request, state)
+    admission = await _admit_client(request, state, body.max_output_tokens)
     generate = GenerateRequest(
         request_id=request.state.request_id,
         model=body.model,
@@ -114,8 +114,7 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
             events,
             lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
             model=body.model,
-            label=label,
-            limit_headers=limit_headers,
+            admission=admission,
             stream=body.stream,
             include_usage=True,  # the usage ends a Responses stream: it carries response.completed
             want_logprobs=body.wants_logprobs(),

