@@ -60,7 +60,11 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
         limits=KeyLimits(server, store=store, processes=server.workers),
         store=store,
         responses=StoredResponses(
-            open_response_store(config.server.responses_store, max_age=config.server.responses_max_age),
+            open_response_store(
+                server.responses_store,
+                max_age=server.responses_max_age,
+                shared=store.client if store is not None else None,
+            ),
             metrics.registry,
         ),
     )

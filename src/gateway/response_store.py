@@ -13,7 +13,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +21,8 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from backends.errors import BackendError
 
@@ -29,6 +31,7 @@ T = TypeVar("T")
 Clock = Callable[[], float]
 MEMORY = "memory"
 SQLITE = "sqlite"
+STATE_STORE = "state_store"
 SQLITE_FILE_NAME = "responses.sqlite3"
 
 
@@ -194,6 +197,45 @@ class SQLiteResponseStore:
             self._connection = None
 
 
+class RedisResponseStore:
+    """Responses in the shared state store (Redis or Valkey, ``server.state_store``): every front-end process
+    and replica sees every response. Redis expires them after ``max_age``."""
+
+    def __init__(self, client: Redis, *, max_age: float | None = None, prefix: str = "gateway:response:") -> None:
+        self._client = client  # owned by the SharedStateStore, which closes it
+        self._max_age = max_age
+        self._prefix = prefix
+
+    async def _call(self, work: Awaitable[T]) -> T:
+        try:
+            return await work
+        except (TimeoutError, RedisError, OSError) as exc:
+            raise ResponseStoreError(f"The response store failed: {exc}") from exc
+
+    async def put(self, record: StoredResponse) -> None:
+        value = orjson.dumps(
+            {
+                "id": record.id,
+                "created_at": record.created_at,
+                "response": record.response,
+                "input_items": record.input_items,
+                "previous_response_id": record.previous_response_id,
+            }
+        )
+        expiry = max(1, round(self._max_age)) if self._max_age is not None else None
+        await self._call(self._client.set(self._prefix + record.id, value, ex=expiry))
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        raw = await self._call(self._client.get(self._prefix + response_id))
+        return StoredResponse(**orjson.loads(raw)) if raw is not None else None
+
+    async def delete(self, response_id: str) -> bool:
+        return bool(await self._call(self._client.delete(self._prefix + response_id)))
+
+    async def close(self) -> None:
+        return None
+
+
 def default_sqlite_path() -> Path:
     """``responses.sqlite3`` in ``$DEEPINFER_GATEWAY_CACHE`` or ``~/.cache/deepinfer-gateway``."""
     configured = os.environ.get("DEEPINFER_GATEWAY_CACHE")
@@ -201,15 +243,22 @@ def default_sqlite_path() -> Path:
     return base / SQLITE_FILE_NAME
 
 
-def open_response_store(spec: str, *, max_age: float | None, clock: Clock = time.time) -> ResponseStore:
-    """``memory``, ``sqlite`` (the default file) or ``sqlite://PATH`` (``sqlite:///var/lib/x.db`` is absolute)."""
+def open_response_store(
+    spec: str, *, max_age: float | None, shared: Redis | None = None, clock: Clock = time.time
+) -> ResponseStore:
+    """``memory``, ``sqlite`` (the default file), ``sqlite://PATH`` (``sqlite:///var/lib/x.db`` is absolute), or
+    ``state_store`` (the shared Redis client, ``shared``)."""
+    if spec == STATE_STORE:
+        if shared is None:
+            raise ValueError("responses_store 'state_store' needs server.state_store")
+        return RedisResponseStore(shared, max_age=max_age)
     if spec == MEMORY:
         return MemoryResponseStore(max_age=max_age, clock=clock)
     if spec == SQLITE:
         return SQLiteResponseStore(default_sqlite_path(), max_age=max_age, clock=clock)
     if spec.startswith("sqlite://") and len(spec) > len("sqlite://"):
         return SQLiteResponseStore(Path(spec.removeprefix("sqlite://")).expanduser(), max_age=max_age, clock=clock)
-    raise ValueError(f"unknown response store {spec!r}: expected 'memory', 'sqlite' or 'sqlite://PATH'")
+    raise ValueError(f"unknown response store {spec!r}: expected memory, sqlite, sqlite://PATH or state_store")
 
 
 class StoredResponses:

@@ -20,6 +20,7 @@ from gateway.response_store import (
 )
 
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway
+from .test_scale_out import ValkeyServer
 
 
 def _gateway(store: str) -> RunningGateway:
@@ -152,3 +153,31 @@ def test_a_store_that_cannot_write_is_counted_and_answers_500s_never_crashes(tmp
         assert httpx.get(f"{running.base_url}/health").status_code == 200
     finally:
         stop_gateway(running)
+
+
+def test_replicas_sharing_a_state_store_share_stored_responses(tmp_path: Path) -> None:
+    valkey = ValkeyServer(tmp_path)
+    valkey.start()
+    config = GatewayConfig(
+        server={"responses_store": "state_store", "state_store": valkey.url},
+        backends=[{"name": "reference", "kind": "reference"}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    first, second = start_gateway(config), start_gateway(config)
+    try:
+        created = _client(first).responses.create(model=MODEL, input="Tell me about the module.", max_output_tokens=8)
+        on_second = _client(second)
+        assert on_second.responses.retrieve(created.id).output_text == created.output_text
+        follow = on_second.responses.create(
+            model=MODEL, input="More.", previous_response_id=created.id, max_output_tokens=4
+        )
+        assert _client(first).responses.retrieve(follow.id).previous_response_id == created.id
+        _client(first).responses.delete(created.id)
+        with pytest.raises(openai.NotFoundError):
+            on_second.responses.retrieve(created.id)
+    finally:
+        stop_gateway(first)
+        stop_gateway(second)
+        valkey.kill()
+    with pytest.raises(ValidationError, match="state_store"):
+        GatewayConfig(server={"responses_store": "state_store"})
