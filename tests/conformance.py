@@ -1,45 +1,137 @@
-"""Validation against OpenAI's official JSON schemas, shipped in ../shared/conformance."""
+"""Validation of responses and stream frames against JSON schemas derived from the official ``openai`` package.
+
+The package's pydantic response types (``ChatCompletion``, ``ChatCompletionChunk``, ``Completion``, ``Model``,
+``ErrorObject``) give the fields, their types and enums. They give a None default to some fields that OpenAI's API
+reference lists as required (and nullable): ``REQUIRED_NULLABLE`` puts those back into ``required``, so a response
+that leaves out ``message.refusal`` or ``choices[].logprobs`` fails as it would against OpenAI's own spec. Nothing
+is read from outside the repository.
+"""
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-from functools import cached_property
-from pathlib import Path
+from functools import cache
 from typing import Any
 
 from jsonschema import Draft202012Validator
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.shared import ErrorObject
+from pydantic import BaseModel
 
-ROOT = Path(__file__).resolve().parents[1]
-SCHEMA_FILE = Path(os.environ.get("GATEWAY_SHARED_DIR", ROOT.parent / "shared")) / "conformance" / "openai-schemas.json"
+RESPONSE_TYPES: dict[str, type[BaseModel]] = {
+    "CreateChatCompletionResponse": ChatCompletion,
+    "CreateChatCompletionStreamResponse": ChatCompletionChunk,
+    "CreateCompletionResponse": Completion,
+    "Model": Model,
+}
+_LOGPROBS = ["content", "refusal", "content[].bytes", "refusal[].bytes", "content[].top_logprobs[].bytes"]
+REQUIRED_NULLABLE: dict[str, list[str]] = {
+    "CreateChatCompletionResponse": [
+        "choices[].logprobs",
+        "choices[].message.content",
+        "choices[].message.refusal",
+        *(f"choices[].logprobs.{path}" for path in _LOGPROBS),
+    ],
+    "CreateChatCompletionStreamResponse": [
+        "choices[].finish_reason",
+        *(f"choices[].logprobs.{path}" for path in _LOGPROBS),
+    ],
+    "CreateCompletionResponse": ["choices[].logprobs"],
+    "Error": ["code", "param"],
+}
+"""Fields the API reference requires (with null allowed) where the package's models default them to None."""
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    """The schema with every ``$ref`` replaced by a copy of its definition (the response types are not
+    recursive), so paths can be followed without resolving references."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            resolved = _inline(defs[ref.rsplit("/", 1)[-1]], defs)
+            return {**resolved, **{k: _inline(v, defs) for k, v in node.items() if k != "$ref"}}
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(item, defs) for item in node]
+    return node
+
+
+def _objects(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """The object schemas a (possibly nullable) schema allows."""
+    if "properties" in node:
+        return [node]
+    return [obj for branch in node.get("anyOf", ()) for obj in _objects(branch)]
+
+
+def _arrays(node: dict[str, Any]) -> list[dict[str, Any]]:
+    if node.get("type") == "array":
+        return [node["items"]]
+    return [items for branch in node.get("anyOf", ()) for items in _arrays(branch)]
+
+
+def _require(schema: dict[str, Any], path: str) -> None:
+    """Adds the last field of ``path`` (``choices[].message.refusal``) to the ``required`` list of its object."""
+    *parents, field = path.split(".")
+    nodes = [schema]
+    for part in parents:
+        name, is_array = part.removesuffix("[]"), part.endswith("[]")
+        nodes = [obj["properties"][name] for node in nodes for obj in _objects(node) if name in obj["properties"]]
+        if is_array:
+            nodes = [items for node in nodes for items in _arrays(node)]
+    name, is_array = field.removesuffix("[]"), field.endswith("[]")
+    found = False
+    for node in nodes:
+        for obj in _objects(node):
+            if name in obj["properties"]:
+                obj["required"] = sorted({*obj.get("required", ()), name})
+                found = True
+    if not found:
+        raise KeyError(f"{path} is not in the schema: the openai package's types changed")
+
+
+def _schema(model: type[BaseModel], required: list[str]) -> dict[str, Any]:
+    raw = model.model_json_schema()
+    schema = _inline(raw, raw.get("$defs", {}))
+    for path in required:
+        _require(schema, path)
+    return schema
+
+
+@cache
+def _schemas() -> dict[str, dict[str, Any]]:
+    schemas = {name: _schema(model, REQUIRED_NULLABLE.get(name, [])) for name, model in RESPONSE_TYPES.items()}
+    schemas["ListModelsResponse"] = {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": schemas["Model"]}},
+    }
+    schemas["ErrorResponse"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": _schema(ErrorObject, REQUIRED_NULLABLE["Error"])},
+    }
+    # The API reference has no schema for streamed completions: OpenAI sends completion objects whose
+    # finish_reason is null until the last one.
+    chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
+    for choice in _arrays(chunk["properties"]["choices"]):
+        reason = choice["properties"]["finish_reason"]
+        choice["properties"]["finish_reason"] = {"anyOf": [reason, {"type": "null"}]}
+    schemas["CompletionChunk"] = chunk
+    return schemas
 
 
 class OpenAISchemas:
-    def __init__(self, document: dict[str, Any]) -> None:
-        self.document = document
+    def __init__(self, schemas: dict[str, dict[str, Any]]) -> None:
+        self.schemas = schemas
 
     @classmethod
     def load(cls) -> OpenAISchemas:
-        return cls(json.loads(SCHEMA_FILE.read_text()))
-
-    def _validator(self, name: str, schemas: dict[str, Any] | None = None) -> Draft202012Validator:
-        components = {"schemas": schemas or self.document["components"]["schemas"]}
-        return Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": components})
-
-    @cached_property
-    def _streamed_completion_schemas(self) -> dict[str, Any]:
-        """The spec has no schema for streamed completions; OpenAI sends CreateCompletionResponse chunks
-        whose finish_reason is null until the last one."""
-        schemas = copy.deepcopy(self.document["components"]["schemas"])
-        reason = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]["finish_reason"]
-        reason["enum"] = [*reason["enum"], None]
-        reason["type"] = ["string", "null"]
-        return schemas
+        return cls(_schemas())
 
     def check(self, name: str, instance: Any) -> None:
         """Raises ``jsonschema.ValidationError`` with the path of the first mismatch."""
-        self._validator(name).validate(instance)
+        Draft202012Validator(self.schemas[name]).validate(instance)
 
     def check_completion_chunk(self, instance: Any) -> None:
-        self._validator("CreateCompletionResponse", self._streamed_completion_schemas).validate(instance)
+        self.check("CompletionChunk", instance)

@@ -21,6 +21,18 @@ class _Admission(_Strict):
     queue_timeout: float = Field(30.0, gt=0, description="longest wait for a slot before a 503")
 
 
+class _Preparation(_Admission):
+    """How an in-process engine backend prepares prompts (docs: README, Security and limits)."""
+
+    prepare_threads: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="threads that render chat templates, tokenize prompts and compile output grammars, so that "
+        "neither the event loop (/health) nor the engine thread waits on a huge prompt",
+    )
+
+
 class TimingModel(_Strict):
     """Imitates an accelerator's step times so load tests on a CPU look like a real deployment."""
 
@@ -29,7 +41,7 @@ class TimingModel(_Strict):
     tokens_per_step: int = Field(1, ge=1, le=16, description="tokens accepted per decode step (speculation)")
 
 
-class ReferenceBackendConfig(_Admission):
+class ReferenceBackendConfig(_Preparation):
     """The CPU reference engine: DeepInfer's engine API on a tiny n-gram language model."""
 
     name: str
@@ -67,7 +79,7 @@ class ReferenceBackendConfig(_Admission):
         return self.data_parallel_size > 1 or bool(self.worker_endpoints)
 
 
-class DeepInferBackendConfig(_Admission):
+class DeepInferBackendConfig(_Preparation):
     """DeepSeek's DeepInfer engine, in process or one worker per DP rank (SM100 / Ascend 950); docs/deepinfer.md.
 
     Every field maps to DeepInfer's ``EngineArgs`` or to the process environment the engine reads; checks that

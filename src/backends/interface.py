@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 PromptKind = Literal["chat", "text", "tokens"]
 
@@ -108,10 +108,15 @@ class Delta(NamedTuple):
 
 
 class Finish(NamedTuple):
-    """The choice is complete. ``reason`` is an OpenAI finish reason: stop, length, tool_calls."""
+    """The choice is complete. ``reason`` is an OpenAI finish reason: stop, length, tool_calls.
+
+    ``logprobs`` (when logprobs were asked for) covers the end-of-sequence token that ended the choice: it adds no
+    text but is counted in ``completion_tokens``, and the legacy completions format lists it.
+    """
 
     index: int
     reason: str
+    logprobs: Sequence[TokenLogprob] | None = None
 
 
 class Usage(NamedTuple):
@@ -122,12 +127,23 @@ class Usage(NamedTuple):
     reasoning_tokens: int | None = None  # of the completion tokens, those spent reasoning (when known)
 
 
+class PromptToken(NamedTuple):
+    """One prompt token as scored by the model: ``logprob`` is None for the first (nothing precedes it).
+
+    ``offset`` is where the token starts in the echoed prompt text, in characters.
+    """
+
+    token: str
+    logprob: float | None
+    offset: int
+
+
 class PromptEcho(NamedTuple):
-    """The prompt text and its token logprobs, for ``echo`` on the completions API."""
+    """The prompt text, and with ``logprobs`` its tokens' logprobs, for ``echo`` on the completions API."""
 
     index: int
     text: str
-    logprobs: Sequence[TokenLogprob | None] | None = None
+    logprobs: Sequence[PromptToken] | None = None
 
 
 Event = Delta | Finish | Usage | PromptEcho
@@ -195,4 +211,35 @@ class Backend(Protocol):
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Stream events for ``request``. Closing the iterator early aborts the work."""
+        ...
+
+
+class TokenizerInfo(NamedTuple):
+    """What a client-side tokenizer needs to mirror the backend's: its special tokens and limits."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    vocab_size: int
+    max_model_len: int | None
+
+
+@runtime_checkable
+class TokenizingBackend(Protocol):
+    """Optional capability of a backend: the exact token ids its model sees, for the tokenizer endpoints.
+
+    ``tokenize`` encodes a request's prompt (chat messages through the backend's chat encoder, or text) the way
+    ``generate`` would; ``add_special_tokens`` None means what ``generate`` does (BOS for text, none added to the
+    chat encoding, which writes its own).
+    """
+
+    def tokenizer_info(self) -> TokenizerInfo: ...
+
+    async def tokenize(self, request: GenerateRequest, *, add_special_tokens: bool | None = None) -> list[int]: ...
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry, as the tokenizer spells it (byte-level characters for DeepSeek's)."""
         ...

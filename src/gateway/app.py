@@ -17,6 +17,7 @@ from backends.registry import BackendKindUnavailableError, build_backend
 from gateway import __version__
 from gateway.admission import admitted
 from gateway.auth import ApiKeyMiddleware
+from gateway.bodies import JSONBodyParser
 from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
 from gateway.limits import KeyLimits
@@ -24,7 +25,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
 from gateway.response_store import StoredResponses, open_response_store
 from gateway.router import ModelRouter
-from gateway.routes import admin, generate, models, operations, responses
+from gateway.routes import admin, generate, models, operations, responses, tokenize
 from gateway.state import GatewayState
 from gateway.state_store import SharedStateStore
 
@@ -32,9 +33,13 @@ logger = logging.getLogger(__name__)
 GC_GEN0_THRESHOLD = 10_000
 
 
-def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = None) -> FastAPI:
+def create_app(
+    config: GatewayConfig, backends: Mapping[str, Backend] | None = None, *, serve_once_started: bool = False
+) -> FastAPI:
     """Builds the app. Backends start in the background so ``/health`` answers at once and ``/ready`` tells
-    when they are up (a DeepInfer engine can take minutes)."""
+    when they are up (a DeepInfer engine can take minutes). With ``serve_once_started`` (one of several front-end
+    processes on a shared socket) the app takes no connection before its backends have started, so a process
+    that is still starting never takes requests its siblings could serve."""
     start_errors: dict[str, str] = {}
     if backends is None:
         built: dict[str, Backend] = {}
@@ -68,11 +73,14 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
             metrics.registry,
         ),
     )
+    json_parser = JSONBodyParser(config.server.json_parse_processes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.watch_gc()
         starting = asyncio.create_task(_start_backends(state))
+        if serve_once_started:
+            await asyncio.shield(starting)
         if config.server.gc_tuning:
             starting.add_done_callback(_freeze_gc)
         watching = asyncio.create_task(store.watch()) if store is not None else None
@@ -87,6 +95,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
                 await store.close()
             await state.router.aclose()  # shadow requests: cancelled, they never hold the shutdown up
             await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
+            json_parser.close()
             await state.responses.aclose()  # type: ignore[union-attr]
             metrics.close()
 
@@ -94,10 +103,12 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
     AppStatus.disable_automatic_graceful_drain()
     app = FastAPI(title="deepinfer-gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = state
+    app.state.json_parser = json_parser  # read by the generation routes' OffloadedJSONRoute
     install_error_handlers(app)
     app.include_router(generate.router)
     app.include_router(responses.router)
     app.include_router(models.router)
+    app.include_router(tokenize.router)
     app.include_router(operations.router)
     app.include_router(admin.router)
     app.add_middleware(ApiKeyMiddleware, client_keys=config.server.client_keys(), admin_key=config.server.admin_api_key)
@@ -106,6 +117,7 @@ def create_app(config: GatewayConfig, backends: Mapping[str, Backend] | None = N
         max_body_bytes=config.server.max_body_bytes,
         access_log=config.server.access_log,
         draining=lambda: state.draining,
+        metrics=metrics,
     )
     return app
 

@@ -44,7 +44,7 @@ class ApiKeyMiddleware:
         presented = _presented_key(scope)
         if path.startswith(ADMIN_PREFIXES):
             if self._admin is not None and not _matches(presented, self._admin):
-                await _unauthorized(send, "This endpoint needs the admin API key.")
+                await _unauthorized(scope, send, "This endpoint needs the admin API key.")
                 return
         elif self._clients:
             label = _client_label(presented, self._clients)
@@ -54,7 +54,7 @@ class ApiKeyMiddleware:
                     if presented is None
                     else "Incorrect API key provided."
                 )
-                await _unauthorized(send, message)
+                await _unauthorized(scope, send, message)
                 return
             scope.setdefault("state", {})["api_key"] = label
         await self.app(scope, receive, send)
@@ -86,7 +86,10 @@ def _client_label(presented: str | None, clients: list[tuple[bytes, str]]) -> st
     return found
 
 
-async def _unauthorized(send: Send, message: str) -> None:
+async def _unauthorized(scope: Scope, send: Send, message: str) -> None:
+    log = scope.get("state", {}).get("log")
+    if log is not None:  # the access-log line says why (the request context middleware runs outside this one)
+        log["error_code"] = "invalid_api_key"
     body = orjson.dumps(error_payload(message, "invalid_request_error", None, "invalid_api_key"))
     await send(
         {

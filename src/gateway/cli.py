@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -38,9 +39,44 @@ def serve(
     run_server(settings)
 
 
+REDACTED = "<redacted>"
+SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
+"""Configuration fields holding secrets: the admin key and upstream bearer tokens (client keys: ``api_keys``)."""
+
+
+URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@", re.IGNORECASE)
+"""The password in a URL's user info (``redis://:password@host``)."""
+
+
+def redact_secrets(value: Any) -> Any:
+    """The dumped configuration with every key replaced by ``REDACTED``: client keys (plain or with limits), the
+    admin key, upstream ``api_key``s and passwords in URLs, wherever they came from (file or ``GATEWAY_*``
+    variables)."""
+    if isinstance(value, str):
+        return URL_PASSWORD.sub(rf"\1:{REDACTED}@", value)
+    if isinstance(value, list):
+        return [redact_secrets(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    out: dict[str, Any] = {}
+    for name, item in value.items():
+        if name in SECRET_FIELDS and item is not None:
+            out[name] = REDACTED
+        elif name == "api_keys" and isinstance(item, list):
+            out[name] = [REDACTED if isinstance(k, str) else {**k, "key": REDACTED} for k in item]
+        else:
+            out[name] = redact_secrets(item)
+    return out
+
+
 @config_app.command("check")
-def config_check(config: Annotated[Path, typer.Argument(help="YAML configuration file.")]) -> None:
-    """Validate a configuration file (with the environment applied) and print the result."""
+def config_check(
+    config: Annotated[Path, typer.Argument(help="YAML configuration file.")],
+    show_secrets: Annotated[
+        bool, typer.Option("--show-secrets", help="Print API keys in clear text (they are redacted by default).")
+    ] = False,
+) -> None:
+    """Validate a configuration file (with the environment applied) and print the result, keys redacted."""
     import yaml
 
     try:
@@ -48,7 +84,8 @@ def config_check(config: Annotated[Path, typer.Argument(help="YAML configuration
     except ConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from exc
-    typer.echo(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
+    dumped = settings.model_dump(mode="json")
+    typer.echo(yaml.safe_dump(dumped if show_secrets else redact_secrets(dumped), sort_keys=False))
 
 
 def _positive_int(text: str, option: str) -> int:

@@ -61,6 +61,20 @@ class ServerConfig(BaseModel):
     request_timeout: float | None = Field(600.0, gt=0, description="total deadline of one request, seconds")
     idle_timeout: float | None = Field(120.0, gt=0, description="longest wait for the next token, seconds")
     gc_tuning: bool = Field(True, description="gc.freeze() after start-up and a larger young-generation threshold")
+    header_timeout: float | None = Field(
+        10.0,
+        gt=0,
+        description="seconds a client has to send a request's headers, from connecting or from the first byte of "
+        "the next request on a keep-alive connection; slower ones get 408 and are closed (slowloris); null: none",
+    )
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="larger request line + headers get 431")
+    max_connections: int | None = Field(
+        2048, ge=1, description="open HTTP connections; past it a new connection gets 503 and is closed"
+    )
+    keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection is kept")
+    json_parse_processes: int = Field(
+        1, ge=0, le=32, description="child processes that parse request bodies of 512 KiB or more; 0: the event loop"
+    )
     max_messages: int = Field(2048, ge=1, description="upper bound for messages in a chat request")
     max_tools: int = Field(128, ge=0, description="upper bound for tools in a chat request")
     responses_store: str = Field(

@@ -20,7 +20,7 @@ from backends.errors import (
     UnavailableError,
     UpstreamError,
 )
-from gateway.openai.protocol import UnsupportedParameter
+from gateway.openai.protocol import MissingParameter, ParameterError, UnsupportedParameter, shown
 
 logger = logging.getLogger(__name__)
 
@@ -68,71 +68,195 @@ def api_error_from_backend(exc: BackendError) -> APIError:
     return APIError(500, exc.message, type="server_error", code=exc.code)
 
 
-def error_response(error: APIError) -> Response:
+def error_response(error: APIError, request: Request | None = None) -> Response:
+    """The error as OpenAI's JSON body; its code goes into the request's access-log line."""
+    log = getattr(request.state, "log", None) if request is not None else None
+    if log is not None:
+        log["error_code"] = error.code or error.type
     body = orjson.dumps(error_payload(error.message, error.type, error.param, error.code))
     return Response(body, status_code=error.status, media_type="application/json", headers=error.headers)
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """The first validation problem as OpenAI words it: a message and the offending parameter."""
+def model_not_found(model: str) -> ModelNotFoundError:
+    """The 404 for a model nobody serves; the name is quoted cut short, so a huge name never makes a huge body."""
+    return ModelNotFoundError(f"The model {shown(model)} does not exist or you do not have access to it.")
+
+
+_EXPECTED = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "int_parsing": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "a boolean",
+    "bool_parsing": "a boolean",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+    "none_required": "null",
+}
+"""pydantic's type errors, in JSON's words."""
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return "a value that is not JSON"
+
+
+def _join(choices: list[str]) -> str:
+    return choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
+
+
+def _param_parts(loc: tuple[int | str, ...], body: object, *, missing: bool = False) -> list[int | str]:
+    """The parts of a pydantic error location that name keys and indexes of the request body. Parts that do not
+    are pydantic's union-branch labels (``str``, ``list[str]``, ``function-after[...]``) and are dropped, whatever
+    the field names look like (``stream``, ``strawberry``)."""
+    parts: list[int | str] = []
+    node = body
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
+        if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
+            parts.append(part)
+            node = node[part]
+        elif isinstance(part, str) and isinstance(node, dict) and (part in node or (missing and last)):
+            parts.append(part)
+            node = node.get(part)
+    return parts
+
+
+def _dotted(parts: list[int | str]) -> str:
+    """``messages[2].content[0].type``"""
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def _progress(parts: list[int | str]) -> tuple[int, tuple[int, ...]]:
+    """How far into the body a union branch got before failing: deeper first, then further along its arrays."""
+    return len(parts), tuple(p for p in parts if isinstance(p, int))
+
+
+def _joined(base: str, where: str) -> str:
+    if not where or where.startswith(("[", ".")):
+        return base + where
+    return f"{base}.{where}" if base else where
+
+
+def validation_error(exc: RequestValidationError, content_type: str | None) -> APIError:
+    """The most specific validation problem as OpenAI words it: a 400 with a ``param`` that is the full path,
+    OpenAI's error ``code``, and no Python reprs (values are shown as JSON, cut short)."""
+    body = getattr(exc, "body", None)
     errors = exc.errors()
     if not errors:
-        return "Invalid request body.", None
+        return APIError(400, "Invalid request body.", code="invalid_value")
     first = errors[0]
-    loc = [p for p in first.get("loc", ()) if p != "body"]
-    param = _param_path(loc)
     kind = first.get("type", "")
     if kind == "json_invalid":
-        return "We could not parse the JSON body of your request. The body must be valid JSON.", None
+        message = "We could not parse the JSON body of your request. The body must be valid JSON."
+        return APIError(400, message, code="invalid_json")
+    if isinstance(body, bytes | bytearray):  # FastAPI reads JSON only when the Content-Type says so
+        message = (
+            f"The request body must be JSON sent with 'Content-Type: application/json', not {shown(content_type)}."
+        )
+        return APIError(400, message, code="invalid_content_type")
+    if body is None and first.get("loc") == ("body",):
+        return APIError(400, "The request body is empty; send a JSON object.", code="missing_required_parameter")
+
+    located = []
+    for error in errors:
+        loc = tuple(error.get("loc", ()))[1:]  # drop "body"
+        located.append((_param_parts(loc, body, missing=error.get("type") == "missing"), error))
+    # A union's branches each report an error; the one that got furthest is the branch the client meant.
+    best = max(_progress(parts) for parts, _ in located)
+    parts, error = next((parts, e) for parts, e in located if _progress(parts) == best)
+    param = _dotted(parts)
+    kind = error.get("type", "")
+    ctx = error.get("ctx") or {}
+    value = error.get("input")
+    problem = ctx.get("error")
+    if isinstance(problem, ParameterError):
+        param = _joined(param, problem.where)
+        if isinstance(problem, MissingParameter):
+            message = f"Missing required parameter: '{param}' ({problem.why})."
+            return APIError(400, message, param=param, code=problem.code)
+        verb = "Unsupported" if isinstance(problem, UnsupportedParameter) else "Invalid"
+        return APIError(400, f"{verb} value for '{param}': {problem.why}", param=param or None, code=problem.code)
+    name = param or "body"
     if kind == "extra_forbidden":
-        return f"Unrecognized request argument supplied: {param}", param
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
     if kind == "missing":
-        return f"Missing required parameter: '{param}'.", param
-    error = (first.get("ctx") or {}).get("error")
-    if isinstance(error, UnsupportedParameter):
-        return f"Unsupported value for '{error.param}': {error.why}", error.param
-    message = str(first.get("msg", "invalid value"))
-    message = message.removeprefix("Value error, ")
-    if param:
-        return f"Invalid value for '{param}': {message}", param
-    return message, None
-
-
-def _param_path(loc: list[int | str]) -> str | None:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif str(part).startswith(("function-", "tagged-union", "list[", "str", "int", "float", "bool")):
-            continue  # pydantic's union-branch labels are not parameter names
+        return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    if kind in _EXPECTED:
+        expected = list(
+            dict.fromkeys(_EXPECTED[e["type"]] for p, e in located if p == parts and e["type"] in _EXPECTED)
+        )
+        message = f"Invalid type for '{name}': expected {_join(expected)}, but got {_json_type(value)} instead."
+        return APIError(400, message, param=param or None, code="invalid_type")
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()))
+        which = "below_min" if kind.startswith("greater") else "above_max"
+        number = "integer" if isinstance(value, int) else "decimal"
+        message = f"Invalid '{name}': expected a value {_BOUNDS[kind]} {bound}, but got {shown(value)} instead."
+        return APIError(400, message, param=param or None, code=f"{number}_{which}_value")
+    if kind in ("too_short", "too_long", "string_too_short", "string_too_long"):
+        what = "string" if kind.startswith("string") else "array"
+        if kind.endswith("too_short"):
+            code = f"empty_{what}" if not value else f"{what}_below_min_length"
+            limit = f"at least {ctx.get('min_length')}"
         else:
-            out += f".{part}" if out else str(part)
-    return out or None
+            code, limit = f"{what}_above_max_length", f"at most {ctx.get('max_length')}"
+        unit = "characters" if what == "string" else "items"
+        return APIError(400, f"Invalid '{name}': expected {limit} {unit}.", param=param or None, code=code)
+    if kind in ("literal_error", "enum"):
+        message = f"Invalid value for '{name}': {shown(value)}. Supported values are: {ctx.get('expected')}."
+        return APIError(400, message, param=param or None, code="invalid_value")
+    reason = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    return APIError(400, f"Invalid value for '{name}': {reason[:200]}", param=param or None, code="invalid_value")
 
 
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
-        return error_response(exc)
+        return error_response(exc, request)
 
     async def on_backend_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, BackendError)
-        return error_response(api_error_from_backend(exc))
+        return error_response(api_error_from_backend(exc), request)
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
-        message, param = validation_message(exc)
-        return error_response(APIError(400, message, param=param))
+        return error_response(validation_error(exc, request.headers.get("content-type")), request)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = "request_too_large" if exc.status_code == 413 else None
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=code))
+        headers = dict(exc.headers or {})  # a 405 carries Allow
+        return error_response(
+            APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=headers), request
+        )
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, "The server had an error processing your request.", type="server_error"))
+        error = APIError(500, "The server had an error processing your request.", type="server_error")
+        return error_response(error, request)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(BackendError, on_backend_error)

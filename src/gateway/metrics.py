@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -40,15 +43,62 @@ TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
 E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""Set by the front-end supervisor (``server.workers`` > 1) before it starts the processes: prometheus-client then
+keeps counters, histograms and gauges in files there, one per process, and a scrape sums them."""
+
+
+class AppRegistry(CollectorRegistry):
+    """The app's registry; remembers the collectors that compute their families at scrape time (engine and
+    routing state), as opposed to counters, gauges and histograms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.computed: list[Collector] = []
+
+    def register(self, collector: Collector) -> None:
+        super().register(collector)
+        if not isinstance(collector, MetricWrapperBase):
+            self.computed.append(collector)
+
+
+class _ComputedFamilies(Collector):
+    def __init__(self, registry: AppRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for collector in self._registry.computed:
+            yield from collector.collect()
+
+
+def exposition(registry: AppRegistry) -> bytes:
+    """The text ``/metrics`` serves. With several front-end processes, request metrics are summed over all of
+    them (whichever process answers the scrape), and the families computed at scrape time (backend, engine,
+    routing state) are this process's own."""
+    directory = os.environ.get(MULTIPROCESS_DIR_ENV)
+    if not directory:
+        return generate_latest(registry)
+    combined = CollectorRegistry()
+    MultiProcessCollector(combined, path=directory)
+    combined.register(_ComputedFamilies(registry))
+    return generate_latest(combined)
+
+
 class GatewayMetrics:
     """One registry per app, so several apps (tests) never share counters."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = AppRegistry()
         labels = ("model", "backend")
         r = self.registry
         self.requests = Counter(
             "gateway_requests", "Finished requests by HTTP status.", (*labels, "status"), registry=r
+        )
+        self.tokenizer_requests = Counter(
+            "gateway_tokenizer_requests",
+            "Requests handled by /tokenize, /detokenize and /tokenizer_info, by HTTP status.",
+            ("endpoint", "status"),
+            registry=r,
         )
         self.ttft = Histogram(
             "gateway_time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=r
@@ -69,7 +119,9 @@ class GatewayMetrics:
         )
         self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens processed.", labels, registry=r)
         self.generation_tokens = Counter("gateway_generation_tokens", "Tokens generated.", labels, registry=r)
-        self.in_flight = Gauge("gateway_requests_in_flight", "Requests being served.", labels, registry=r)
+        self.in_flight = Gauge(
+            "gateway_requests_in_flight", "Requests being served.", labels, registry=r, multiprocess_mode="livesum"
+        )
         self.errors = Counter(
             "gateway_request_errors", "Requests that ended in an error, by error code.", (*labels, "code"), registry=r
         )
@@ -107,6 +159,13 @@ class GatewayMetrics:
 
     def observer(self, model: str, backend: str, log: dict[str, object]) -> RequestObserver:
         return RequestObserver(self, model, backend, log)
+
+    def count_unrouted(self, status: int, code: str | None) -> None:
+        """A request that ended before any backend took it: labelled with empty model and backend (the client's
+        model name is not a label, so junk names cannot blow up the series count)."""
+        self.requests.labels("", "", str(status)).inc()
+        if status >= 400:
+            self.errors.labels("", "", code or str(status)).inc()
 
 
 class RequestObserver:

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, error_payload
+from gateway.metrics import GatewayMetrics
 
 _log = structlog.get_logger("gateway.access")
 _REQUEST_ID = b"x-request-id"
@@ -33,7 +34,9 @@ class BodyTooLargeError(HTTPException):
 
 class RequestContextMiddleware:
     """Gives every HTTP request an id (the client's ``X-Request-ID`` or a new one), enforces the body size limit,
-    and writes one structured log line when the response is complete (streams included)."""
+    and writes one structured log line (with the API key's label when authentication is on) when the response is
+    complete (streams included). Requests that never reached a backend are counted in ``gateway_requests_total``
+    here, with empty model and backend labels."""
 
     def __init__(
         self,
@@ -42,8 +45,10 @@ class RequestContextMiddleware:
         max_body_bytes: int,
         access_log: bool = True,
         draining: Callable[[], bool] = lambda: False,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.app = app
+        self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.access_log = access_log
         self.draining = draining
@@ -101,13 +106,20 @@ class RequestContextMiddleware:
 
             await self.app(scope, limited_receive, send_with_id)
         finally:
+            # A request that reached a backend was counted by its observer (which set the status, the
+            # backend's verdict); any other (bad JSON, validation 400, unknown model, 401, 413, 500) is counted here.
+            routed = "status" in log
+            final_status = log.pop("status", status)
+            if self.metrics is not None and not routed:
+                self.metrics.count_unrouted(final_status, log.get("error_code"))
             if self.access_log:
                 _log.info(
                     "request",
                     request_id=request_id,
                     method=scope["method"],
                     path=scope["path"],
-                    status=log.pop("status", status),
+                    status=final_status,
+                    api_key=state.get("api_key"),
                     duration_ms=round((time.perf_counter() - started) * 1000, 3),
                     **log,
                 )

@@ -15,10 +15,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from backends.errors import ModelNotFoundError, UnavailableError
+from backends.errors import UnavailableError
 from backends.interface import Backend, GenerateRequest
 from gateway.config import ModelConfig
-from gateway.errors import APIError
+from gateway.errors import APIError, model_not_found
 from gateway.routing.breaker import CircuitBreaker
 from gateway.routing.policies import PrefixAffinityPolicy, build_policy
 from gateway.routing.shadow import ShadowMirror
@@ -165,7 +165,7 @@ class ModelRouter:
         concurrent arrivals see each other."""
         routes = self._models.get(model)
         if routes is None:
-            raise ModelNotFoundError(f"The model '{model}' does not exist or you do not have access to it.")
+            raise model_not_found(model)
         target, via = routes.choose(request, headers)
         pair = None
         if routes.shadow is not None and via != "pinned":

@@ -7,18 +7,25 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
+from prometheus_client import multiprocess
 
+from backends.heap import cap_mmap_threshold
 from gateway.app import create_app
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, ServerConfig
+from gateway.connections import ConnectionGuard, ConnectionLimits
 from gateway.logs import configure_logging
+from gateway.metrics import MULTIPROCESS_DIR_ENV
 
 logger = logging.getLogger(__name__)
 _spawn = multiprocessing.get_context("spawn")
@@ -45,18 +52,31 @@ def _serve(settings: GatewayConfig, sockets: list[socket.socket] | None = None) 
     # The engine thread and the event loop share the GIL. With the default 5 ms switch interval, every numpy or
     # C++ call that releases the GIL on the engine thread can wait up to 5 ms to get it back from a busy loop.
     sys.setswitchinterval(settings.server.gil_switch_interval)
-    app = create_app(settings)
-    config = uvicorn.Config(
+    cap_mmap_threshold()  # multi-MiB bodies and prompts go back to the OS when freed (backends/heap.py)
+    app = create_app(settings, serve_once_started=settings.server.workers > 1)
+    config = uvicorn_config(settings, app, connection_guard(settings.server, app))
+    DrainingServer(config, on_exit=app.state.gateway.begin_drain).run(sockets=sockets)
+
+
+def connection_guard(server: ServerConfig, app: FastAPI) -> ConnectionGuard:
+    """The connection limits of ``server``, counted in the app's metrics."""
+    limits = ConnectionLimits(server.header_timeout, server.max_header_bytes, server.max_connections)
+    return ConnectionGuard(limits, app.state.gateway.metrics.registry)
+
+
+def uvicorn_config(settings: GatewayConfig, app: FastAPI, guard: ConnectionGuard) -> uvicorn.Config:
+    """uvicorn as the gateway runs it: uvloop, httptools behind the connection limits of ``guard``."""
+    return uvicorn.Config(
         app,
         host=settings.server.host,
         port=settings.server.port,
         loop="uvloop",
-        http="httptools",
+        http=guard.protocol(),
         log_config=None,
         access_log=False,
+        timeout_keep_alive=settings.server.keep_alive_timeout,
         timeout_graceful_shutdown=settings.server.drain_seconds,
     )
-    DrainingServer(config, on_exit=app.state.gateway.begin_drain).run(sockets=sockets)
 
 
 def run_server(settings: GatewayConfig) -> None:
@@ -73,7 +93,8 @@ class FrontEndSupervisor:
     def __init__(self, settings: GatewayConfig) -> None:
         self.settings = settings
         self.stopping = False
-        self.workers: list[multiprocessing.process.BaseProcess] = []
+        self.workers: list[multiprocessing.process.BaseProcess | None] = []
+        """One slot per front-end process; None once a process has ended for good (while stopping)."""
 
     def _bind(self) -> socket.socket:
         server = self.settings.server
@@ -93,25 +114,36 @@ class FrontEndSupervisor:
     def _stop(self, sig: int, frame: FrameType | None) -> None:
         self.stopping = True
         for worker in self.workers:
-            if worker.pid is not None and worker.exitcode is None:
+            if worker is not None and worker.pid is not None and worker.exitcode is None:
                 os.kill(worker.pid, signal.SIGTERM)
 
     def run(self) -> None:
         configure_logging(self.settings.server.log_level)
+        # Request metrics of every process go to files here, so a scrape answered by any process sums them all.
+        metrics_dir = tempfile.mkdtemp(prefix="deepinfer-gateway-metrics-")
+        os.environ[MULTIPROCESS_DIR_ENV] = metrics_dir
+        try:
+            self._supervise()
+        finally:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+    def _supervise(self) -> None:
         sock = self._bind()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
         self.workers = [self._start(sock) for _ in range(self.settings.server.workers)]
         logger.info("serving on %s:%s with %d front-end processes", *sock.getsockname()[:2], len(self.workers))
-        while True:
-            alive = [w for w in self.workers if w.exitcode is None]
-            if not alive:
-                break
-            multiprocessing.connection.wait([w.sentinel for w in alive])
+        while running := [w for w in self.workers if w is not None]:
+            ended = multiprocessing.connection.wait([w.sentinel for w in running])
             for position, worker in enumerate(self.workers):
-                if worker.exitcode is None or self.stopping:
+                if worker is None or worker.sentinel not in ended:
+                    continue
+                worker.join()  # its sentinel fired, so it has exited or is about to: reap it
+                multiprocess.mark_process_dead(worker.pid)  # its in-flight gauge no longer counts; counters stay
+                if self.stopping:
+                    self.workers[position] = None
                     continue
                 logger.warning("front-end process %s exited with %s; starting another", worker.pid, worker.exitcode)
                 time.sleep(RESTART_PAUSE_SECONDS)  # a process that cannot start must not spin the host
-                self.workers[position] = self._start(sock)
+                self.workers[position] = None if self.stopping else self._start(sock)
         sock.close()

@@ -79,3 +79,37 @@ def test_serve_refuses_a_config_that_references_an_unknown_backend(tmp_path: Pat
     result = subprocess.run([*CLI, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "unknown backend 'nope'" in result.stderr
+
+
+SECRET_CONFIG = (
+    "server:\n  api_keys:\n    - sk-plain-client-key-1\n    - key: sk-named-client-key-2\n      name: team-a\n"
+    "backends:\n  - name: ref\n    kind: reference\n"
+    "  - name: lm\n    kind: lmdeploy\n    urls: ['http://user:sk-url-password-5@127.0.0.1:1']\n"
+    "    api_key: sk-upstream-key-3\n"
+    "models:\n  - name: m\n    backends: [ref]\n"
+)
+SECRETS = (
+    "sk-plain-client-key-1",
+    "sk-named-client-key-2",
+    "sk-upstream-key-3",
+    "sk-admin-from-env-4",
+    "sk-url-password-5",
+)
+
+
+def test_config_check_redacts_every_key_unless_asked_to_show_them(tmp_path: Path) -> None:
+    config = tmp_path / "secrets.yaml"
+    config.write_text(SECRET_CONFIG)
+    env = {**os.environ, "GATEWAY_SERVER__ADMIN_API_KEY": "sk-admin-from-env-4"}
+    result = subprocess.run([*CLI, "config", "check", str(config)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    for secret in SECRETS:
+        assert secret not in result.stdout
+    assert result.stdout.count("<redacted>") == len(SECRETS)
+    assert "name: team-a" in result.stdout, "the rest of the configuration is still shown"
+    assert "http://user:<redacted>@127.0.0.1:1" in result.stdout
+    shown = subprocess.run(
+        [*CLI, "config", "check", "--show-secrets", str(config)], capture_output=True, text=True, env=env
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert all(secret in shown.stdout for secret in SECRETS)

@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from enum import StrEnum
+from typing import Any, Literal
 
 import httpx
 import jsonschema
 import openai
 import orjson
 import pytest
+from pydantic import BaseModel, Field
 
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
 from backends.engine.backend import EngineBackend
@@ -257,6 +259,122 @@ def test_sdk_streams_tool_call_deltas_by_index(client: openai.OpenAI) -> None:
     )
 
 
+class Unit(StrEnum):
+    C = "c"
+    F = "f"
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=10)
+    unit: Unit
+    zoom: int = Field(ge=1, le=20)
+
+
+class Trip(BaseModel):
+    """A nested Pydantic tool schema: ``$ref``/``$defs``, ``anyOf`` with null, enums, bounded numbers and text."""
+
+    dest: Place
+    via: Place | None = None
+    score: float = Field(ge=1, le=5)
+    mode: Literal["fast", "safe"]
+    label: str = Field(max_length=6)
+
+
+TRIP_TOOL = {"type": "function", "function": {"name": "plan_trip", "parameters": Trip.model_json_schema()}}
+PLAN_TRIP = {"type": "function", "function": {"name": "plan_trip"}}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_forced_call_arguments_validate_against_a_nested_pydantic_schema(client: openai.OpenAI, seed: int) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=400,
+        seed=seed,
+        tools=[TRIP_TOOL, MODE_TOOL],  # type: ignore[list-item]
+        tool_choice=PLAN_TRIP,  # type: ignore[arg-type]
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls is not None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "plan_trip"
+    Trip.model_validate_json(call.function.arguments)  # raises on any violation of the schema
+
+
+def test_sdk_parse_helper_reads_a_forced_call_into_the_pydantic_model(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.parse(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=400,
+        seed=7,
+        tools=[openai.pydantic_function_tool(Trip)],  # strict: every field required, no extra keys
+        tool_choice="required",
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and calls
+    for call in calls:
+        assert isinstance(call.function.parsed_arguments, Trip)
+        assert set(json.loads(call.function.arguments)) == set(Trip.model_fields)
+
+
+def test_streamed_forced_call_with_a_nested_schema_matches_the_whole_reply(http: httpx.Client) -> None:
+    fields = {"seed": 3, "max_tokens": 400, "tools": [TRIP_TOOL], "tool_choice": "required"}
+    chunks = stream_chunks(http, **fields)
+    pieces = [p for c in chunks for p in c["choices"][0]["delta"].get("tool_calls") or ()]
+    arguments = "".join(p["function"].get("arguments", "") for p in pieces)
+    Trip.model_validate_json(arguments)
+    whole = chat(http, **fields)["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    assert json.loads(arguments) == json.loads(whole)
+
+
+def completed_parameters(arguments: dict[str, Any]) -> None:
+    """Arguments of a cut call: only whole parameters, each valid on its own, and no markup anywhere."""
+    fields = Trip.model_fields
+    assert set(arguments) <= set(fields)
+    for key, value in arguments.items():
+        Trip.__pydantic_validator__.validate_assignment(Trip.model_construct(), key, value)
+    assert "<" not in json.dumps(arguments) and "DSML" not in json.dumps(arguments)
+
+
+@pytest.mark.parametrize("max_tokens", [30, 45, 60, 75, 90, 105])
+def test_call_cut_by_max_tokens_has_only_completed_parameters_and_no_markup(
+    http: httpx.Client, max_tokens: int
+) -> None:
+    fields = {"seed": 5, "max_tokens": max_tokens, "tools": [TRIP_TOOL], "tool_choice": PLAN_TRIP}
+    choice = chat(http, **fields)["choices"][0]
+    assert choice["finish_reason"] == "length"
+    calls = choice["message"].get("tool_calls") or []
+    assert len(calls) <= 1
+    streamed = stream_chunks(http, **fields)
+    pieces = [p for c in streamed for p in c["choices"][0]["delta"].get("tool_calls") or ()]
+    assert streamed[-1]["choices"][0]["finish_reason"] == "length"
+    if not calls:  # cut before the call's name was complete: nothing of it is sent, streaming or not
+        assert pieces == []
+        return
+    arguments = json.loads(calls[0]["function"]["arguments"])
+    completed_parameters(arguments)
+    assert json.loads("".join(p["function"].get("arguments", "") for p in pieces)) == arguments
+
+
+def test_cut_calls_at_increasing_lengths_grow_one_whole_parameter_at_a_time(http: httpx.Client) -> None:
+    seen: list[dict[str, Any]] = []
+    for max_tokens in range(20, 200, 6):
+        fields = {"seed": 5, "max_tokens": max_tokens, "tools": [TRIP_TOOL], "tool_choice": PLAN_TRIP}
+        calls = chat(http, **fields)["choices"][0]["message"].get("tool_calls") or []
+        if calls:
+            seen.append(json.loads(calls[0]["function"]["arguments"]))
+    full = json.loads(
+        chat(http, seed=5, max_tokens=400, tools=[TRIP_TOOL], tool_choice=PLAN_TRIP)["choices"][0]["message"][
+            "tool_calls"
+        ][0]["function"]["arguments"]
+    )
+    assert len({json.dumps(a) for a in seen}) >= 3  # the cuts land on several different parameter counts
+    for arguments in seen:
+        completed_parameters(arguments)
+        assert all(full[key] == value for key, value in arguments.items())
+
+
 def test_tool_call_history_and_tool_results_are_accepted(client: openai.OpenAI) -> None:
     messages = [
         {"role": "user", "content": "Go fast."},
@@ -347,7 +465,39 @@ BAD = [
     pytest.param({"reasoning_effort": 101}, "reasoning_effort", id="effort-out-of-range"),
     pytest.param({"reasoning_effort": True}, "reasoning_effort", id="effort-boolean"),
     pytest.param({"chat_template_kwargs": {"bogus": 1}}, "chat_template_kwargs.bogus", id="unknown-template-kwarg"),
-    pytest.param({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", id="bad-tool-name"),
+    pytest.param(
+        {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", id="bad-tool-name"
+    ),
+    pytest.param(
+        {"tools": [PING_TOOL, {"type": "function", "function": {"name": "f", "parameters": {"type": "dict"}}}]},
+        "tools[1].function.parameters",
+        id="invalid-tool-schema",
+    ),
+    pytest.param(
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Nowhere"}}}],
+            "tool_choice": "required",
+        },
+        "tools[0].function.parameters",
+        id="dangling-tool-ref",
+    ),
+    pytest.param(
+        {
+            "tools": [
+                PING_TOOL,
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"properties": {"n": {"type": "integer", "minimum": 3, "maximum": 2}}},
+                    },
+                },
+            ],
+            "tool_choice": "required",
+        },
+        "tools[1].function.parameters",
+        id="unsatisfiable-tool-schema",
+    ),
 ]
 
 

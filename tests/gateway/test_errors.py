@@ -23,18 +23,20 @@ BAD_CHAT = [
     pytest.param(chat(max_tokens="ten"), "max_tokens", id="wrong-type"),
     pytest.param(chat(n=1000), "n", id="n-too-large"),
     pytest.param(chat(n=17), "n", id="n-over-configured-limit"),
-    pytest.param(chat(top_p=0), "top_p", id="top-p-zero"),
+    pytest.param(chat(top_p=-0.1), "top_p", id="negative-top-p"),
     pytest.param(chat(temperature=-0.5), "temperature", id="negative-temperature"),
     pytest.param(chat(messages=[]), "messages", id="empty-messages"),
     pytest.param(chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role", id="unknown-role"),
-    pytest.param(chat(messages=[{"role": "user"}]), "messages[0]", id="user-without-content"),
+    pytest.param(chat(messages=[{"role": "user"}]), "messages[0].content", id="user-without-content"),
     pytest.param(chat(messages="hello"), "messages", id="messages-not-a-list"),
     pytest.param({"messages": USER}, "model", id="missing-model"),
     pytest.param(chat(presence_penalty=0.5), "presence_penalty", id="penalty"),
     pytest.param(chat(frequency_penalty=1), "frequency_penalty", id="frequency-penalty"),
     pytest.param(chat(logit_bias={"5": 10}), "logit_bias", id="logit-bias"),
-    pytest.param(chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools", id="tools"),
-    pytest.param(chat(response_format={"type": "xml"}), "response_format", id="unknown-response-format"),
+    pytest.param(
+        chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name", id="tools"
+    ),
+    pytest.param(chat(response_format={"type": "xml"}), "response_format.type", id="unknown-response-format"),
     pytest.param(chat(reasoning_effort="extreme"), "reasoning_effort", id="reasoning"),
     pytest.param(chat(audio={"voice": "alloy", "format": "wav"}), "audio", id="audio"),
     pytest.param(chat(modalities=["text", "audio"]), "modalities", id="modalities"),
@@ -42,10 +44,10 @@ BAD_CHAT = [
     pytest.param(chat(logprobs=True, top_logprobs=21), "top_logprobs", id="top-logprobs-over-20"),
     pytest.param(
         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-        "messages[0].content",
+        "messages[0].content[0].type",
         id="image-part",
     ),
-    pytest.param(chat(stop=[""]), "stop", id="empty-stop"),
+    pytest.param(chat(stop=[""]), "stop[0]", id="empty-stop"),
     pytest.param(chat(bogus_field=1), "bogus_field", id="unknown-field"),
 ]
 
@@ -121,7 +123,6 @@ BAD_COMPLETIONS = [
     pytest.param({"prompt": []}, "prompt", id="empty-prompt-list"),
     pytest.param({"prompt": [[-1, 5]]}, None, id="negative-token-id"),
     pytest.param({"prompt": [10**7]}, "prompt", id="token-id-outside-vocab"),
-    pytest.param({"prompt": "x", "echo": True, "logprobs": 1}, "echo", id="echo-with-logprobs"),
     pytest.param({"prompt": "x", "max_tokens": -3}, "max_tokens", id="negative-max-tokens"),
     pytest.param({}, "prompt", id="missing-prompt"),
 ]

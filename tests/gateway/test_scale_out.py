@@ -209,7 +209,8 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
-    supervisor = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = (tmp_path / "supervisor.log").open("wb")
+    supervisor = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: len(_gateway_children(supervisor.pid)) == 2, timeout=60)
@@ -227,6 +228,9 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
             ]
             elapsed = time.monotonic() - started
             assert 6 <= statuses.count(200) <= 6 + int(elapsed // 10), statuses
+            # whichever process answers the scrape, the request counter sums both
+            for _ in range(4):
+                assert _served(httpx.get(f"{base}/metrics").text) == statuses.count(200)
 
             victim = sorted(workers)[0]
             os.kill(victim, signal.SIGKILL)
@@ -237,7 +241,7 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
                 timeout=60,
             ), "the supervisor starts a new front end"
         supervisor.send_signal(signal.SIGTERM)
-        assert supervisor.wait(timeout=60) == 0
+        assert supervisor.wait(timeout=180) == 0  # a safety net: a process just restarted may still be starting
     finally:
         if supervisor.poll() is None:
             supervisor.kill()
@@ -251,3 +255,12 @@ def _ready(base: str) -> bool:
         return httpx.get(f"{base}/ready", timeout=5).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _served(exposition: str) -> float:
+    """Requests counted with status 200, over every model and backend."""
+    total = 0.0
+    for line in exposition.splitlines():
+        if line.startswith("gateway_requests_total{") and 'status="200"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total

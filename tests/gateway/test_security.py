@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import structlog
 
 from gateway.config import GatewayConfig
 
@@ -94,3 +95,30 @@ def test_tokens_per_minute_limit_blocks_after_the_budget_is_spent(secured: Runni
     assert limited.status_code == 429
     assert limited.headers["x-ratelimit-limit-tokens"] == "30"
     assert int(limited.headers["retry-after"]) >= 1
+
+
+def test_access_log_names_the_key_and_covers_rejected_requests(secured: RunningGateway) -> None:
+    headers = {"Authorization": f"Bearer {LIMITED_KEY}"}
+    with structlog.testing.capture_logs() as logs:
+        httpx.post(f"{secured.base_url}/v1/chat/completions", json={"model": MODEL, "messages": "x"}, headers=headers)
+        httpx.post(
+            f"{secured.base_url}/v1/chat/completions",
+            content=b"{not json",
+            headers={**headers, "content-type": "application/json"},
+        )
+        httpx.get(f"{secured.base_url}/v1/models/nothing", headers=headers)
+        httpx.get(f"{secured.base_url}/v1/models")  # no key: 401, logged without a label
+    lines = [line for line in logs if line.get("event") == "request"]
+    assert [(line["status"], line["api_key"]) for line in lines] == [
+        (400, "team-b"),
+        (400, "team-b"),
+        (404, "team-b"),
+        (401, None),
+    ]
+    assert [line.get("error_code") for line in lines] == [
+        "invalid_type",
+        "invalid_json",
+        "model_not_found",
+        "invalid_api_key",
+    ]
+    assert all(LIMITED_KEY not in str(line) for line in lines)

@@ -22,7 +22,11 @@ def build_deepinfer_backend(config: DeepInferBackendConfig) -> EngineBackend:
         return start_engine(config)
 
     return EngineBackend(
-        config.name, "deepinfer", construct, DeepSeekV41ChatTemplate(default_thinking=config.default_thinking)
+        config.name,
+        "deepinfer",
+        construct,
+        DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
+        prepare_threads=config.prepare_threads,
     )
 
 
@@ -46,4 +50,5 @@ def _build_data_parallel_backend(config: DeepInferBackendConfig) -> EngineBacken
         plan,
         lambda: load_tokenizer(config),
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
+        prepare_threads=config.prepare_threads,
     )

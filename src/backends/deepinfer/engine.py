@@ -76,6 +76,8 @@ class DeepInferEngine:
             r.get_top_logprobs,
             r.get_top_token_ids,
         )
+        self._get_prompt_logprobs = r.get_prompt_logprobs
+        self._scoring: set[str] = set()  # requests that asked for prompt logprobs and have not had them yet
         self._get_draft_tok = r.get_draft_tok
         self._get_accept_tok = r.get_accept_tok
         self._speculative = speculative_tokens > 0
@@ -118,11 +120,15 @@ class DeepInferEngine:
             raise UpstreamError(f"structured outputs are unavailable on this engine: {exc}") from exc
         if structured and sequence is not None:
             self._compiling[request_id] = sequence
+        if sequence is not None and sampling_params is not None and sampling_params.get("prompt_logprobs"):
+            self._scoring.add(request_id)
         return sequence
 
     def abort_request(self, request_id: str | Iterable[str]) -> tuple[int, int]:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         result = self.llm_engine.abort_request(ids)
+        if self._scoring:
+            self._scoring.difference_update(ids)
         if self._compiling:
             for rid in ids:
                 sequence = self._compiling.pop(rid, None)
@@ -215,6 +221,8 @@ class DeepInferEngine:
                 map(top_ids, ps),
             )
         )
+        if self._scoring:
+            self._read_prompt_logprobs(ps, outputs)
         if self._speculative:
             # draft_tok / accept_tok are set on a request's last output of the step (verified + 1, accepted + 1)
             # and are 0 on its other outputs, so summing over every output counts each verification once.
@@ -226,6 +234,15 @@ class DeepInferEngine:
                 self.draft_tokens += int(drafted[verified].sum()) - steps
                 self.accepted_tokens += sum(map(self._get_accept_tok, compress(ps, verified.tolist()))) - steps
         return outputs
+
+    def _read_prompt_logprobs(self, pointers: list[int], outputs: list[EngineOutput]) -> None:
+        """Prompt logprobs ride on a scoring request's first output (the prompt step's); copy them with it."""
+        scoring = self._scoring
+        for position, out in enumerate(outputs):
+            if out.request_id in scoring:
+                scoring.discard(out.request_id)
+                values = self._get_prompt_logprobs(pointers[position])
+                outputs[position] = out._replace(prompt_logprobs=list(values))
 
     def _after_step(self) -> None:
         """Per-step housekeeping: a few O(1) engine calls, plus a walk over grammar requests while any exist."""

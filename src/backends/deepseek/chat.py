@@ -18,9 +18,25 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from backends.deepseek.encoding import THINK_END, encode_messages, prompt_ends_in_thinking
-from backends.deepseek.parser import DeepSeekV41OutputParser, tool_properties
-from backends.deepseek.structured import response_format_so_args, tool_call_grammar
+from backends.deepseek.encoding import (
+    DSML_CALLS_END,
+    DSML_CALLS_START,
+    DSML_INVOKE_END,
+    DSML_INVOKE_START,
+    DSML_PARAMETER_END,
+    DSML_PARAMETER_START,
+    THINK_END,
+    THINK_START,
+    encode_messages,
+    prompt_ends_in_thinking,
+)
+from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
+from backends.deepseek.structured import (
+    ToolSchemaError,
+    check_json_schema,
+    response_format_so_args,
+    tool_call_grammar,
+)
 from backends.engine.backend import ChatPrompt
 from backends.errors import InvalidRequestError
 from backends.interface import REQUEST_FEATURES, GenerateRequest
@@ -37,6 +53,19 @@ OPENAI_EFFORTS: Mapping[str, str | None] = {
 """OpenAI ``reasoning_effort`` -> V4.1 effort; None means chat mode. ``medium`` is OpenAI's default and V4.1 has
 no such level, so it maps to V4.1's own default, ``high`` (50 on the 1-100 scale). Integers 1-100 pass through."""
 
+OUTPUT_MARKERS = (
+    THINK_START,
+    THINK_END,
+    DSML_CALLS_START,
+    DSML_CALLS_END,
+    DSML_INVOKE_START,
+    DSML_INVOKE_END,
+    DSML_PARAMETER_START,
+    DSML_PARAMETER_END,
+)
+"""The tags the output parser reads: the detokenizer keeps them in the text even where V4.1's tokenizer marks
+them (or pieces of them, such as ``｜DSML｜``) as special tokens, while other special tokens are dropped."""
+
 THINKING_SWITCHES = ("thinking", "enable_thinking")
 CHAT_TEMPLATE_KWARGS = frozenset({*THINKING_SWITCHES, "drop_thinking"})
 
@@ -45,6 +74,7 @@ class DeepSeekV41ChatTemplate:
     """Renders chat requests in the V4.1 format and says how to decode and parse their output."""
 
     features = frozenset(REQUEST_FEATURES)
+    output_markers = OUTPUT_MARKERS
 
     def __init__(self, *, default_thinking: bool = False) -> None:
         self.default_thinking = default_thinking
@@ -55,6 +85,7 @@ class DeepSeekV41ChatTemplate:
         thinking, effort = self.thinking_mode(request)
         kwargs = request.chat_template_kwargs or {}
         tools = request.tools or None
+        _check_tool_schemas(tools)
         choice, forced = _tool_choice(request.tool_choice, tools)
         prompt_tools = tools if choice != "none" else None
 
@@ -71,7 +102,11 @@ class DeepSeekV41ChatTemplate:
             )
         single_call = request.parallel_tool_calls is False
         if forced is not None:
-            grammar = tool_call_grammar([tool["function"] for tool in forced], parallel=not single_call)
+            try:
+                grammar = tool_call_grammar([tool["function"] for tool in forced], parallel=not single_call)
+            except ToolSchemaError as exc:
+                where = f"tools[{tools.index(forced[exc.index])}].function.parameters"  # type: ignore[union-attr]
+                raise InvalidRequestError(f"{where}: {exc}", param=where) from None
             so_args, so_param = {"schema_type": "ebnf", "schema": grammar}, "tool_choice"
 
         try:
@@ -93,7 +128,7 @@ class DeepSeekV41ChatTemplate:
         parser = functools.partial(
             DeepSeekV41OutputParser,
             in_reasoning=in_reasoning,
-            tools=tool_properties(prompt_tools) if prompt_tools is not None else None,
+            tools=tool_schemas(prompt_tools) if prompt_tools is not None else None,
             max_calls=1 if single_call else None,
             literal_content=so_param == "response_format",
         )
@@ -148,6 +183,21 @@ def v41_effort(effort: Any) -> str | int | None:
         f"invalid reasoning_effort {effort!r}: expected one of {', '.join(OPENAI_EFFORTS)} or an integer from 1 to 100",
         param="reasoning_effort",
     )
+
+
+def _check_tool_schemas(tools: list[dict[str, Any]] | None) -> None:
+    """Each tool's ``parameters`` must be a well-formed JSON Schema: a 400 naming the tool otherwise.
+
+    (The structure of ``tools`` itself is checked by the encoder, which names what is wrong.)
+    """
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping) and function.get("parameters") is not None:
+            where = f"tools[{i}].function.parameters"
+            try:
+                check_json_schema(function["parameters"], where)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param=where) from None
 
 
 def _tool_choice(

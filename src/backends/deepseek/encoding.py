@@ -188,7 +188,7 @@ def encode_messages(
 
     ``reasoning_effort`` is validated and printed only in thinking mode; chat mode ignores it.
 
-    Raises ``ValueError`` for an unknown role, a developer message with empty content, an unsupported
+    Raises ``ValueError`` for an unknown role, a developer message without content, an unsupported
     content part, a malformed tool call or tool, an invalid effort (thinking mode), an empty message list,
     or ``continue_final_message`` without a final assistant message.
     """
@@ -317,13 +317,13 @@ def _normalize_message(idx: int, msg: Mapping[str, Any]) -> _Turn:
         )
     content = _flatten_content(idx, msg.get("content"))
 
-    if role == "developer" and not content:
-        raise ValueError(f"messages[{idx}] is a developer message with empty content")
+    if role == "developer" and msg.get("content") is None:  # "" is fine, as for system (OpenAI accepts both)
+        raise ValueError(f"messages[{idx}] is a developer message without content")
 
     if role == "assistant":
-        reasoning = msg.get("reasoning_content")
+        reasoning = msg.get("reasoning")  # vLLM's name wins over reasoning_content, as in DeepSeek's wrapper
         if reasoning is None:
-            reasoning = msg.get("reasoning")
+            reasoning = msg.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
             raise ValueError(f"messages[{idx}].reasoning_content must be a string")
         raw_calls = msg.get("tool_calls") or ()
@@ -334,6 +334,8 @@ def _normalize_message(idx: int, msg: Mapping[str, Any]) -> _Turn:
 
     if role == "tool":
         call_id = msg.get("tool_call_id")
+        if "content" in msg and msg["content"] is None:
+            content = "None"  # DeepSeek's encoder prints a null tool result as Python does
         return _Turn(role=role, content=content, tool_call_id="" if call_id is None else str(call_id))
 
     return _Turn(role=role, content=content)
@@ -374,7 +376,7 @@ def _normalize_tool_call(idx: int, n: int, call: Any) -> ToolCall:
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.function.name must be a non-empty string")
-    call_id = call.get("id")
+    call_id = call.get("id") or function.get("id")
     return ToolCall(
         id="" if call_id is None else str(call_id),
         name=name,
@@ -430,7 +432,7 @@ def _merge_user_turns(turns: list[_Turn]) -> list[_Turn]:
         else:
             if merged and merged[-1].role == "user":
                 merged[-1] = _sort_tool_results(merged[-1], last_calls)
-            if turn.role == "assistant":
+            if turn.role == "assistant" and turn.tool_calls:  # results after a call-less reply keep the last order
                 last_calls = turn.tool_calls
             merged.append(turn)
             continue
@@ -445,11 +447,9 @@ def _merge_user_turns(turns: list[_Turn]) -> list[_Turn]:
 
 def _sort_tool_results(turn: _Turn, calls: tuple[ToolCall, ...]) -> _Turn:
     """Order tool results by their call's position in the preceding assistant turn; text keeps its slots."""
-    order: dict[str, int] = {}
-    for position, call in enumerate(calls):
-        order.setdefault(call.id, position)
+    order = {call.id: position for position, call in enumerate(calls) if call.id}  # a repeated id: its last call
     slots = [i for i, block in enumerate(turn.blocks) if block.kind == "tool_result"]
-    if len(slots) < 2:
+    if len(slots) < 2 or not order:
         return turn
     results = sorted((turn.blocks[i] for i in slots), key=lambda block: order.get(block.tool_use_id, 0))
     blocks = list(turn.blocks)

@@ -16,7 +16,8 @@ States: CONTENT, REASONING, CALLS (inside ``<｜DSML｜ calls>`` between invokes
 - CONTENT: ``<think>`` -> REASONING; a bare ``</think>`` is dropped; ``<｜DSML｜ calls>`` -> CALLS.
 - REASONING: ``<think>`` is dropped; ``</think>`` -> CONTENT; ``<｜DSML｜ calls>`` -> CALLS (ends reasoning).
 - CALLS: ``<｜DSML｜ invoke name="`` -> NAME; ``</｜DSML｜ calls>`` -> CONTENT; anything else is dropped.
-- NAME: ``">`` -> ARGS (the call starts). ARGS: ``</｜DSML｜ invoke>`` -> CALLS; ``</｜DSML｜ calls>`` -> CONTENT.
+- NAME: ``">`` -> ARGS (the call starts; its name is stripped, and a call with an empty name is dropped).
+- ARGS: ``</｜DSML｜ invoke>`` -> CALLS; ``</｜DSML｜ calls>`` -> CONTENT.
 
 With tool parsing on, content that is only whitespace is held until something else arrives: if a tool call comes
 first it is dropped (chat-mode calls start with ``\\n\\n<｜DSML｜ calls>``), so such a message has no content.
@@ -24,19 +25,16 @@ first it is dropped (chat-mode calls start with ``\\n\\n<｜DSML｜ calls>``), s
 
 from __future__ import annotations
 
-import json
-import re
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from backends.deepseek.arguments import arguments_json
 from backends.deepseek.encoding import (
-    DSML,
     DSML_CALLS_END,
     DSML_CALLS_START,
     DSML_INVOKE_END,
     DSML_INVOKE_START,
-    DSML_PARAMETER_END,
     THINK_END,
     THINK_START,
 )
@@ -45,20 +43,6 @@ from backends.interface import ToolCallDelta
 _CONTENT, _REASONING, _CALLS, _NAME, _ARGS = range(5)
 
 _NAME_END = '">'
-_UNWRAP_KEYS = ("arguments", "input")
-
-_PARAMETER = re.compile(
-    "<"
-    + re.escape(DSML)
-    + r' parameter\s+name="([^"]+)"\s+string="(true|false)">(.*?)'
-    + "(?:"
-    + re.escape(DSML_PARAMETER_END)
-    + "|(?=<"
-    + re.escape(DSML)
-    + r" parameter\s+name=)|\Z)",
-    re.DOTALL,
-)
-"""One parameter; a value whose closing tag is missing ends at the next parameter or at the end of the call."""
 
 
 class ParsedText(NamedTuple):
@@ -77,54 +61,24 @@ def new_tool_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def tool_properties(tools: list[dict[str, Any]] | None) -> dict[str, frozenset[str]]:
-    """Declared parameter names per tool name, from an OpenAI tools list (for the unwrap rule)."""
-    out: dict[str, frozenset[str]] = {}
+def tool_schemas(tools: list[dict[str, Any]] | None) -> dict[str, Mapping[str, Any]]:
+    """Each declared tool's ``parameters`` schema by name, from an OpenAI tools list (to type the arguments)."""
+    out: dict[str, Mapping[str, Any]] = {}
     for tool in tools or ():
         function = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             continue
         parameters = function.get("parameters")
-        properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
-        out[function["name"]] = frozenset(properties) if isinstance(properties, Mapping) else frozenset()
+        out[function["name"]] = parameters if isinstance(parameters, Mapping) else {}
     return out
-
-
-def arguments_json(raw: str, declared: frozenset[str] | None) -> str:
-    """Turn an invoke's raw DSML parameters into OpenAI's JSON ``arguments`` string (H8 "Args -> JSON").
-
-    ``string="true"`` values are taken as is; ``string="false"`` values are JSON-decoded, falling back to the raw
-    text. ``declared`` (the tool's parameter names, None for an unknown tool) enables the unwrap rule: a lone
-    ``arguments`` or ``input`` key that the tool does not declare, holding an object whose keys it does declare,
-    is replaced by that object.
-    """
-    params: dict[str, Any] = {}
-    for name, is_string, value in _PARAMETER.findall(raw):
-        if is_string == "true":
-            params[name] = value
-        else:
-            try:
-                params[name] = json.loads(value)
-            except ValueError:
-                params[name] = value
-    if declared is not None and len(params) == 1:
-        ((key, inner),) = params.items()
-        if key in _UNWRAP_KEYS and key not in declared:
-            if isinstance(inner, str):
-                try:
-                    inner = json.loads(inner)
-                except ValueError:
-                    inner = None
-            if isinstance(inner, dict) and set(inner) <= declared:
-                params = inner
-    return json.dumps(params, ensure_ascii=False)
 
 
 class DeepSeekV41OutputParser:
     """Splits one choice's completion text into reasoning, content and tool calls, for any chunking.
 
     ``in_reasoning``: the prompt ends inside ``<think>`` (see ``encoding.prompt_ends_in_thinking``).
-    ``tools``: declared parameter names per tool; ``None`` turns tool parsing off (DSML then stays content).
+    ``tools``: each declared tool's parameter schema (``tool_schemas``); ``None`` turns tool parsing off (DSML
+    then stays content).
     ``max_calls``: calls past this many are parsed but not emitted (``parallel_tool_calls: false``).
     ``literal_content``: once in content, every character is content (no tags): for replies whose answer is
     constrained to a format, where a ``<think>`` inside a JSON string is data, not markup.
@@ -154,7 +108,7 @@ class DeepSeekV41OutputParser:
         self,
         *,
         in_reasoning: bool,
-        tools: Mapping[str, frozenset[str]] | None = None,
+        tools: Mapping[str, Mapping[str, Any]] | None = None,
         max_calls: int | None = None,
         literal_content: bool = False,
         new_id: Callable[[], str] = new_tool_call_id,
@@ -205,9 +159,13 @@ class DeepSeekV41OutputParser:
         return self._take()
 
     def finish(self) -> ParsedText:
-        """End of the completion: release held text and close an unterminated call with what it has."""
+        """End of the completion: release held text and close an unterminated call with the parameters it
+        completed (an unfinished value, cut by ``max_tokens``, is left out rather than handed over half-written;
+        so is the start of a call block, ``<｜DSML…``, cut before its tag was complete)."""
         state, buf = self._state, self._buf
         self._buf = ""
+        if state in (_CONTENT, _REASONING) and len(buf) > 1 and DSML_CALLS_START.startswith(buf):
+            buf = ""  # a call block cut short after its first characters: markup, not text
         if state == _CONTENT:
             self._content(buf)
         elif state == _REASONING:
@@ -305,7 +263,11 @@ class DeepSeekV41OutputParser:
             self._content(text)
 
     def _start_call(self, name: str) -> None:
+        name = name.strip()
         self._name = name
+        if not name:  # a call without a name cannot be answered: it is dropped, as DeepSeek's parser does
+            self._call_emitted = False
+            return
         index = self._num_calls
         self._num_calls += 1
         self._call_emitted = self._max_calls is None or index < self._max_calls

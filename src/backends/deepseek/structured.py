@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from backends.deepseek.arguments import schema_types
 from backends.deepseek.encoding import (
     DSML_CALLS_END,
     DSML_CALLS_START,
@@ -26,6 +27,14 @@ from backends.deepseek.encoding import (
     DSML_INVOKE_START,
     DSML_PARAMETER_END,
     DSML_PARAMETER_START,
+)
+from backends.deepseek.json_grammar import (
+    BASE_RULES,
+    SchemaGrammar,
+    json_value_rules,
+    literal,
+    repeat,
+    text_literal,
 )
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "ebnf")
@@ -195,14 +204,27 @@ def _check_ref(ref: Any, path: str, root: Any) -> None:
 # ---- forced tool calls -----------------------------------------------------------------------------------
 
 
+class ToolSchemaError(ValueError):
+    """A tool's ``parameters`` schema cannot be compiled; ``index`` is the tool's position in ``functions``."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 def tool_call_grammar(functions: Sequence[Mapping[str, Any]], *, parallel: bool) -> str:
     """A GBNF grammar for a DSML tool-call block calling one (or, with ``parallel``, several) of ``functions``.
 
     ``functions`` are OpenAI function objects (``name``, ``parameters``). The block is written as the encoder
     renders history: ``\\n\\n<｜DSML｜ calls>\\n``, invokes joined by ``\\n``, ``\\n</｜DSML｜ calls>``. Within a
     call, parameters come in the order the schema declares them, required ones always, optional ones at most
-    once, and no others; string-typed values are raw text (``string="true"``, never containing ``</``), other
-    types JSON of that type (``string="false"``). Deeper JSON structure is free-form JSON, not schema-checked.
+    once, and no others. Each value follows its parameter's sub-schema (``json_grammar``): as raw text
+    (``string="true"``) where the sub-schema allows strings, as JSON (``string="false"``) where it allows other
+    values. Raw text never contains ``</`` nor ends in ``<`` (bounded or enumerated text has no ``<`` at all), so
+    a value cannot run into its closing tag.
+
+    Raises ``ToolSchemaError`` (naming the tool and parameter) for a schema that cannot be compiled or that
+    nothing satisfies.
     """
     if not functions:
         raise ValueError("a forced tool call needs at least one tool")
@@ -212,11 +234,14 @@ def tool_call_grammar(functions: Sequence[Mapping[str, Any]], *, parallel: bool)
         name = function["name"]
         call = f"call-{i}"
         call_names.append(call)
-        params = _parameter_rules(call, function.get("parameters"), rules)
-        head = _literal(f'{DSML_INVOKE_START}{name}">')
-        rules.append(f"{call} ::= {head} {params} {_literal(chr(10) + DSML_INVOKE_END)}")
-    calls_open = _literal("\n\n" + DSML_CALLS_START + "\n")
-    calls_close = _literal("\n" + DSML_CALLS_END)
+        try:
+            params = _parameter_rules(call, function.get("parameters"), rules)
+        except ValueError as exc:
+            raise ToolSchemaError(i, str(exc)) from None
+        head = literal(f'{DSML_INVOKE_START}{name}">')
+        rules.append(f"{call} ::= {head} {params} {literal(chr(10) + DSML_INVOKE_END)}")
+    calls_open = literal("\n\n" + DSML_CALLS_START + "\n")
+    calls_close = literal("\n" + DSML_CALLS_END)
     head_rules = [
         f"root ::= {calls_open} call{' next-call*' if parallel else ''} {calls_close}",
         f"call ::= {' | '.join(call_names)}",
@@ -227,119 +252,71 @@ def tool_call_grammar(functions: Sequence[Mapping[str, Any]], *, parallel: bool)
 
 def _parameter_rules(call: str, parameters: Any, rules: list[str]) -> str:
     """Adds one rule per declared parameter; returns the expression for the call's parameter list."""
-    properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+    if parameters is None:
+        return '"\\n"'
+    grammar = SchemaGrammar(parameters, call, rules)
+    schema = grammar.resolve(parameters)
+    if isinstance(schema, Mapping) and "allOf" in schema:
+        schema = grammar.merged(schema)
+    properties = schema.get("properties") if isinstance(schema, Mapping) else None
     if not isinstance(properties, Mapping) or not properties:
         return '"\\n"'  # no parameters: the encoder renders an empty line
-    required = parameters.get("required") or ()
+    required = schema.get("required") or ()
     parts = []
-    for j, (key, schema) in enumerate(properties.items()):
+    for j, (key, sub) in enumerate(properties.items()):
         rule = f"{call}-p{j}"
-        rules.append(f'{rule} ::= "\\n" {_parameter_value(key, schema)}')
+        try:
+            value = _parameter_value(grammar, key, sub)
+        except ValueError as exc:
+            raise ValueError(f"properties.{key}: {exc}") from None
+        rules.append(f'{rule} ::= "\\n" {value}')
         parts.append(rule if key in required else f"{rule}?")
     return " ".join(parts)
 
 
-def _parameter_value(key: str, schema: Any) -> str:
-    """Alternatives for one parameter: its tag with ``string="true"`` raw text or ``string="false"`` JSON."""
-    kinds = _types_of(schema)
-    enum = schema.get("enum") if isinstance(schema, Mapping) else None
-    string_form: str | None = None
-    json_forms: list[str] = []
-    if isinstance(enum, list) and enum:
-        strings = [v for v in enum if isinstance(v, str)]
-        others = [v for v in enum if not isinstance(v, str)]
-        if strings:
-            string_form = " | ".join(_literal(v) for v in strings)
-        json_forms = [_literal(json.dumps(v, ensure_ascii=False)) for v in others]
-    else:
-        if kinds is None or "string" in kinds:
-            string_form = "dsml-string"
-        for kind in sorted(kinds or ()):
-            if kind != "string":
-                json_forms.append(_JSON_OF_TYPE[kind])
-        if kinds is None:
-            json_forms.append("json-value")
+def _parameter_value(grammar: SchemaGrammar, key: str, schema: Any) -> str:
+    """Alternatives for one parameter: its tag with ``string="true"`` raw text and/or ``string="false"`` JSON."""
+    raw = _raw_value(grammar, schema)
+    types = schema_types(schema, grammar.root)
+    wants_json = raw is None or types is None or bool(types - {"string"})
     open_tag = f'{DSML_PARAMETER_START}{key}" string='
     alternatives = []
-    if string_form is not None:
-        alternatives.append(f"{_literal(open_tag + chr(34) + 'true' + chr(34) + '>')} ({string_form})")
-    if json_forms:
-        alternatives.append(f"{_literal(open_tag + chr(34) + 'false' + chr(34) + '>')} ({' | '.join(json_forms)})")
-    return f"({' | '.join(alternatives)}) {_literal(DSML_PARAMETER_END)}"
+    if raw is not None:
+        alternatives.append(f"{literal(open_tag + chr(34) + 'true' + chr(34) + '>')} {raw}")
+    if wants_json:
+        alternatives.append(f"{literal(open_tag + chr(34) + 'false' + chr(34) + '>')} {grammar.value(schema)}")
+    return f"({' | '.join(alternatives)}) {literal(DSML_PARAMETER_END)}"
 
 
-def _types_of(schema: Any) -> set[str] | None:
-    """The JSON types a property schema allows, None when it does not say (anyOf, $ref, no type...)."""
+def _raw_value(grammar: SchemaGrammar, schema: Any) -> str | None:
+    """Raw text (``string="true"``) for the strings ``schema`` allows, None when it allows none writable so."""
+    schema = grammar.resolve(schema)
+    if schema is True:
+        return "dsml-string"
     if not isinstance(schema, Mapping):
         return None
-    kind = schema.get("type")
-    if isinstance(kind, str) and kind in JSON_TYPES:
-        return {kind}
-    if isinstance(kind, list) and kind and all(k in JSON_TYPES for k in kind):
-        return set(kind)
-    return None
-
-
-_JSON_OF_TYPE = {
-    "number": "json-number",
-    "integer": "json-int",
-    "boolean": '("true" | "false")',
-    "null": '"null"',
-    "object": "json-object",
-    "array": "json-array",
-}
-
-JSON_DEPTH = 4
-"""Nesting depth of JSON values in forced tool-call arguments. Bounded so that every rule is non-recursive:
-grammar libraries with a lexer (llguidance) then compile each parameter to one regular token."""
-
-
-def _json_rules(depth: int) -> list[str]:
-    rules = ['json-value-0 ::= json-string | json-number | "true" | "false" | "null"']
-    for d in range(1, depth + 1):
-        inner = f"json-value-{d - 1}"
-        member = f'json-string ws ":" ws {inner} ws'
-        rules += [
-            f'json-object-{d} ::= "{{" ws ({member} ("," ws {member})*)? "}}"',
-            f'json-array-{d} ::= "[" ws ({inner} ws ("," ws {inner} ws)*)? "]"',
-            f"json-value-{d} ::= {inner} | json-object-{d} | json-array-{d}",
-        ]
-    return [
-        *rules,
-        f"json-value ::= json-value-{depth}",
-        f"json-object ::= json-object-{depth}",
-        f"json-array ::= json-array-{depth}",
-    ]
+    if "allOf" in schema:
+        schema = grammar.merged(schema)
+    if "const" in schema or isinstance(schema.get("enum"), list):
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        texts = [text_literal(v) for v in values if isinstance(v, str) and "<" not in v]
+        return f"({' | '.join(f'({t})' for t in texts)})" if texts else None
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            texts = [t for t in (_raw_value(grammar, branch) for branch in schema[key]) if t is not None]
+            return f"({' | '.join(texts)})" if texts else None
+    types = grammar.types(schema)
+    if types is not None and "string" not in types:
+        return None
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if not low and high is None:
+        return "dsml-string"
+    return repeat("dsml-char", low, high)
 
 
 _SHARED_RULES = [
-    'dsml-string ::= ([^<] | "<"+ [^</])* "<"*',
-    *_json_rules(JSON_DEPTH),
-    'json-string ::= "\\"" ([^"\\\\\\x00-\\x1f] | "\\\\" (["\\\\/bfnrt] | "u" hex hex hex hex))* "\\""',
-    "hex ::= [0-9a-fA-F]",
-    'json-number ::= json-int ("." [0-9]+)? ([eE] [-+]? [0-9]+)?',
-    'json-int ::= "-"? ("0" | [1-9] [0-9]*)',
-    'ws ::= " "?',
+    'dsml-string ::= ([^<] | "<"+ [^</])*',
+    "dsml-char ::= [^<]",
+    *BASE_RULES,
+    *json_value_rules(),
 ]
-
-
-def _literal(text: str) -> str:
-    """A GBNF string literal for ``text``."""
-    out = ['"']
-    for ch in text:
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ord(ch) < 0x20:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, NamedTuple, Protocol
-
-import numpy as np
-from tokenizers import Tokenizer
+from typing import Any
 
 from backends.engine.detokenizer import IncrementalDetokenizer, TokenTable
 from backends.engine.driver import EngineDriver
-from backends.engine.protocol import Engine, EngineOutput, FinishReason, MetricSample
+from backends.engine.prompts import (
+    DEFAULT_PREPARE_THREADS,
+    ChatPrompt,
+    ChatTemplate,
+    OutputParser,
+    PromptPreparer,
+)
+from backends.engine.protocol import EOS_TOKEN_ID, Engine, EngineOutput, FinishReason, MetricSample
 from backends.engine.stop import StopMatcher
 from backends.errors import (
     BackendError,
@@ -29,6 +34,8 @@ from backends.interface import (
     Finish,
     GenerateRequest,
     PromptEcho,
+    PromptToken,
+    TokenizerInfo,
     TokenLogprob,
     ToolCallDelta,
     TopLogprob,
@@ -43,39 +50,12 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree th
 
 LONG_PROMPT_CHARS = 16_384
 """Prompts longer than this are tokenized on a worker thread so the event loop never stalls on them."""
-
-
-class OutputParser(Protocol):
-    """The model family's parser of one choice's text into reasoning, content and tool calls, fed per step."""
-
-    @property
-    def in_reasoning(self) -> bool: ...
-
-    @property
-    def called(self) -> bool: ...
-
-    def push(self, text: str) -> tuple[str, str, Sequence[ToolCallDelta]]: ...
-
-    def finish(self) -> tuple[str, str, Sequence[ToolCallDelta]]: ...
-
-
-class ChatPrompt(NamedTuple):
-    """A rendered chat request: prompt text plus what decoding and output parsing need for it."""
-
-    text: str
-    parser: Callable[[], OutputParser] | None = None  # one parser per choice
-    so_args: dict[str, Any] | None = None  # DeepInfer structured-output arguments
-    so_param: str | None = None  # the request field that asked for constrained decoding, for error messages
-    reasoning_end_token: int | None = None  # id of the token that closes reasoning, to count reasoning tokens
-
-
-class ChatTemplate(Protocol):
-    """Renders chat messages into the model family's prompt (DeepSeek V4.1 for DeepInfer).
-
-    ``features`` (optional) names the ``REQUEST_FEATURES`` it implements; the backend honours them.
-    """
-
-    def render(self, request: GenerateRequest, tokenizer: Tokenizer) -> ChatPrompt: ...
+LONG_DECODE_TOKENS = 4_096
+"""Token lists longer than this are decoded on a worker thread, for the same reason."""
+INLINE_PROMPT_TOKENS = 512
+"""Echoed prompts with logprobs longer than this are formatted on a worker thread (microseconds per token)."""
+BOS_TOKEN_ID, PAD_TOKEN_ID = 0, 2
+"""DeepInfer's tokenizer policy: BOS 0, EOS 1 (``EOS_TOKEN_ID``), PAD 2."""
 
 
 class EngineBackend:
@@ -90,12 +70,14 @@ class EngineBackend:
         kind: str,
         engine_factory: Callable[[], Engine],
         chat_template: ChatTemplate,
+        *,
+        prepare_threads: int = DEFAULT_PREPARE_THREADS,
     ) -> None:
         self.name = name
         self.kind = kind
         self.supported_features = type(self).supported_features | getattr(chat_template, "features", frozenset())
         self.driver = EngineDriver(engine_factory, name=name)
-        self._chat_template = chat_template
+        self._prompts = PromptPreparer(chat_template, threads=prepare_threads, name=name)
         self._table: TokenTable | None = None
         self._ids = itertools.count()
         self._started = False
@@ -107,13 +89,17 @@ class EngineBackend:
             await self.driver.start()
             engine = self.driver.engine
             assert engine is not None
-            self._table = await asyncio.to_thread(TokenTable, engine.tokenizer)
+            self._table = await asyncio.to_thread(
+                functools.partial(TokenTable, engine.tokenizer, markers=self._chat_template.output_markers)
+            )
+            self._prompts.start(engine, self._table)
             self._started = True
         finally:
             self._starting = False
 
     async def stop(self) -> None:
         self._started = False
+        self._prompts.stop()
         await self.driver.stop()
 
     def readiness(self) -> tuple[bool, str]:
@@ -148,19 +134,24 @@ class EngineBackend:
         engine = self.driver.engine
         assert table is not None and engine is not None
         reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
-        prompt_ids, chat = await self._prompt_ids(request, engine)
+        prompt = await self._prompts.prepare(request)
+        prompt_ids, chat = prompt.ids, prompt.chat
         max_tokens = _resolve_max_tokens(request, len(prompt_ids), engine.max_model_len)
         sampling = request.sampling
+        score_only = max_tokens == 0  # echo with max_tokens 0: score the prompt, generate nothing
+        scoring = request.echo and sampling.logprobs
         params: dict[str, Any] = {
-            "max_tokens": max_tokens,
+            "max_tokens": max(1, max_tokens),  # engines generate at least one token; score_only drops it
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
             "ignore_eos": sampling.ignore_eos,
             "top_logprobs": sampling.top_logprobs if sampling.logprobs else 0,
         }
-        if chat is not None and chat.so_args is not None:
-            params["so_args"] = chat.so_args
+        if prompt.so_args is not None:
+            params["so_args"] = prompt.so_args
+        if scoring:
+            params["prompt_logprobs"] = True
         prompt_array = np.asarray(prompt_ids, dtype=np.int32)
         queue: asyncio.Queue[tuple[int, Sequence[EngineOutput] | BackendError]] = asyncio.Queue()
         put = queue.put_nowait
@@ -189,17 +180,41 @@ class EngineBackend:
             for index, engine_id in enumerate(engine_ids):
                 seed = None if sampling.seed is None else sampling.seed + index
                 self.driver.add(engine_id, {**params, "seq_seed": seed}, prompt_array, sink, index, request.user or "")
+            echo_text = ""
             if request.echo:
-                echo_text = request.prompt if request.prompt is not None else table.tokenizer.decode(prompt_ids)
-                for index in range(request.n):
-                    yield PromptEcho(index, echo_text)
+                echo_text = (
+                    request.prompt if request.prompt is not None else table.tokenizer.decode(prompt_ids.tolist())
+                )
+                if not scoring:  # the echo needs nothing from the engine: send it at once
+                    for index in range(request.n):
+                        yield PromptEcho(index, echo_text)
             remaining = request.n
+            echoed = [not scoring] * request.n
             while remaining:
                 index, item = await queue.get()
                 if isinstance(item, BackendError):
                     live.discard(engine_ids[index])
                     raise _blame_constraint(item, chat)
                 choice = choices[index]
+                if not echoed[index]:  # the prompt step's output carries the prompt logprobs
+                    echoed[index] = True
+                    if item[0].finished:
+                        _finish_reason(item[0])  # raises for a request that ended in error before it ran
+                    scores = item[0].prompt_logprobs
+                    if len(prompt_ids) > INLINE_PROMPT_TOKENS:
+                        entries = await asyncio.to_thread(_prompt_tokens, table, prompt_ids, scores)
+                    else:
+                        entries = _prompt_tokens(table, prompt_ids, scores)
+                    yield PromptEcho(index, echo_text, entries)
+                if score_only:
+                    remaining -= 1
+                    if item[-1].finished:
+                        _finish_reason(item[-1])  # raises for a request the engine refused (context, resources)
+                    else:
+                        self.driver.abort([engine_ids[index]])
+                    live.discard(engine_ids[index])
+                    yield Finish(index, "length")
+                    continue
                 try:
                     delta, finish = choice.consume(item)
                 except InvalidRequestError as exc:
@@ -212,39 +227,71 @@ class EngineBackend:
                 if delta is not None:
                     yield delta
                 if finish is not None:
-                    yield Finish(index, finish)
+                    yield Finish(index, finish, choice.end_logprobs)
+            if score_only:
+                yield Usage(len(prompt_ids), 0, None)
+                return
             reasoning = sum(c.reasoning_tokens for c in choices) if make_parser is not None else None
             yield Usage(len(prompt_ids), sum(c.tokens for c in choices), reasoning)
         finally:
             if live:
                 self.driver.abort(list(live))
 
-    async def _prompt_ids(self, request: GenerateRequest, engine: Engine) -> tuple[list[int], ChatPrompt | None]:
-        chat: ChatPrompt | None = None
-        if request.prompt_token_ids is not None:
-            ids = request.prompt_token_ids
-            vocab = engine.vocab_size
-            if any(i < 0 or i >= vocab for i in ids):
-                raise InvalidRequestError(
-                    f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_token_id"
-                )
-            return ids, None
+    # ---- TokenizingBackend ------------------------------------------------------------------------------------
+
+    def _ready_engine(self) -> Engine:
+        engine = self.driver.engine
+        if not self._started or engine is None:
+            raise UnavailableError(f"backend {self.name!r} is not ready: {self.readiness()[1]}")
+        return engine
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        engine = self._ready_engine()
+        tokenizer = engine.tokenizer
+        return TokenizerInfo(
+            tokenizer_class=f"tokenizers.{type(tokenizer).__name__}",
+            bos_token=tokenizer.id_to_token(BOS_TOKEN_ID),
+            eos_token=tokenizer.id_to_token(EOS_TOKEN_ID),
+            pad_token=tokenizer.id_to_token(PAD_TOKEN_ID),
+            vocab_size=engine.vocab_size,
+            max_model_len=engine.max_model_len,
+        )
+
+    async def tokenize(self, request: GenerateRequest, *, add_special_tokens: bool | None = None) -> list[int]:
+        engine = self._ready_engine()
         if request.messages is not None:
-            chat = self._chat_template.render(request, engine.tokenizer)
-            text = chat.text
-            add_special_tokens = False  # the chat template writes BOS itself
+            reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
+            text = self._chat_template.render(request, engine.tokenizer).text
+            default = False  # the chat encoding writes BOS itself
         else:
             text = request.prompt or ""
-            add_special_tokens = True
-        tokenizer = engine.tokenizer
-        if len(text) > LONG_PROMPT_CHARS:
-            encoding = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
-        else:
-            encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        ids = encoding.ids
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        return ids, chat
+            default = True
+        special = default if add_special_tokens is None else add_special_tokens
+        return await _encode(engine.tokenizer, text, add_special_tokens=special)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        engine = self._ready_engine()
+        vocab = engine.vocab_size
+        if any(i < 0 or i >= vocab for i in token_ids):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens", code="invalid_token_id")
+        ids = list(token_ids)
+        decode = engine.tokenizer.decode
+        if len(ids) > LONG_DECODE_TOKENS:
+            return await asyncio.to_thread(decode, ids, skip_special_tokens=False)
+        return decode(ids, skip_special_tokens=False)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        id_to_token = self._ready_engine().tokenizer.id_to_token
+        return [id_to_token(i) or "" for i in token_ids]
+
+
+async def _encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    """Token ids of ``text``; long texts are encoded on a worker thread so the event loop never stalls."""
+    if len(text) > LONG_PROMPT_CHARS:
+        encoding = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    else:
+        encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return list(encoding.ids)
 
 
 def _blame_constraint(error: BackendError, chat: ChatPrompt | None) -> BackendError:
@@ -254,8 +301,33 @@ def _blame_constraint(error: BackendError, chat: ChatPrompt | None) -> BackendEr
     return error
 
 
+def _prompt_tokens(table: TokenTable, prompt_ids: Sequence[int], values: Sequence[float] | None) -> list[PromptToken]:
+    """The echoed prompt's tokens with their logprobs and character offsets in the echoed text.
+
+    The engine scores every token but the first (``values[i]`` is for ``prompt_ids[i + 1]``) and gives no
+    alternatives for prompt positions. Offsets count the characters each token's bytes start, so special tokens
+    that the text leaves out (BOS) take no room.
+    """
+    if values is None or len(values) != len(prompt_ids) - 1:
+        raise UpstreamError(
+            f"the engine returned {0 if values is None else len(values)} prompt logprobs for a prompt of "
+            f"{len(prompt_ids)} tokens"
+        )
+    text_of, bytes_of = table.text_of, table.bytes_of
+    pieces = [bytes_of[i] for i in prompt_ids]
+    joined = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+    starts_char = np.r_[0, np.cumsum((joined & 0xC0) != 0x80)]  # characters begun before each byte position
+    byte_starts = np.r_[0, np.cumsum(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)))[:-1]]
+    offsets = starts_char[byte_starts].tolist()
+    logprobs: list[float | None] = [None, *values]
+    return list(map(PromptToken, [text_of[i] for i in prompt_ids], logprobs, offsets))
+
+
 def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len: int) -> int:
-    """The output bound sent to the engine: the client's, or the rest of the context (never DeepInfer's 16)."""
+    """The output bound sent to the engine: the client's, or the rest of the context (never DeepInfer's 16).
+
+    0 (score the prompt only) needs room for the one token an engine always generates.
+    """
     room = max_model_len - prompt_len
     asked = request.sampling.max_tokens
     if asked is None:
@@ -266,7 +338,7 @@ def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len
                 param="messages" if request.messages is not None else "prompt",
             )
         return room
-    if asked > room:
+    if max(asked, 1) > room:
         raise ContextLengthExceededError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} for the completion). "
@@ -286,6 +358,7 @@ class _Choice:
         "_reasoning_end",
         "_stop",
         "_table",
+        "end_logprobs",
         "index",
         "reasoning_tokens",
         "tokens",
@@ -310,6 +383,7 @@ class _Choice:
         self._reasoning_end = reasoning_end
         self.tokens = 0
         self.reasoning_tokens = 0
+        self.end_logprobs: list[TokenLogprob] | None = None  # the EOS that ended the choice, counted as output
 
     def consume(self, outputs: Sequence[EngineOutput]) -> tuple[Delta | None, str | None]:
         """Returns the delta to emit (if any) and the OpenAI finish reason once the choice is done."""
@@ -326,12 +400,15 @@ class _Choice:
         text = self._detok.push([o.token_id for o in real]) if real else ""
         if finish is not None:
             text += self._detok.flush()
+        matched = False
         if self._stop is not None:
             text, matched = self._stop.push(text)
             if matched:
                 finish = "stop"
             elif finish is not None:
                 text += self._stop.flush()
+        if self._logprobs and finish == FinishReason.STOP and last.finished and not matched:
+            self.end_logprobs = self._format_logprobs([last])
         logprobs = self._format_logprobs(real) if self._logprobs and real else None
         if self._parser is not None:
             return self._parse(text, real, logprobs, finish)

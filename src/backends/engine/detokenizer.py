@@ -30,13 +30,19 @@ class TokenTable:
     ``bytes_of[i]`` is what token ``i`` contributes to the output text (empty for skipped special tokens);
     ``text_of[i]`` is the token as shown in logprobs. Only byte-level BPE vocabularies (DeepSeek's) get a
     table; others fall back to ``DecodingDetokenizer``.
+
+    ``markers`` are the tags the model family's output parser reads (``<think>``, DSML): a special token whose
+    text is part of one of them is kept in the text even when special tokens are skipped, so parsing never
+    depends on how a tokenizer flags its markers.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, markers: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         added = tokenizer.get_added_tokens_decoder()
-        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self.special_ids = frozenset(
+            i for i, t in added.items() if t.special and not any(t.content in marker for marker in markers)
+        )
         size = tokenizer.get_vocab_size(with_added_tokens=True)
         size = max(size, max(added, default=-1) + 1)
         self.bytes_of: list[bytes] = [b""] * size
@@ -59,7 +65,7 @@ class TokenTable:
     def new_detokenizer(self) -> IncrementalDetokenizer:
         if self.byte_level:
             return ByteLevelDetokenizer(self.bytes_of)
-        return DecodingDetokenizer(self.tokenizer, skip_special_tokens=self.skip_special_tokens)
+        return DecodingDetokenizer(self.tokenizer, self.special_ids if self.skip_special_tokens else frozenset())
 
 
 class IncrementalDetokenizer:
@@ -100,15 +106,16 @@ class DecodingDetokenizer(IncrementalDetokenizer):
     Text is held back while it ends in U+FFFD, since the next token may complete the character.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, skipped: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
+        self._skipped = skipped
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
 
     def push(self, token_ids: Sequence[int]) -> str:
-        self._ids.extend(token_ids)
+        skipped = self._skipped
+        self._ids.extend(i for i in token_ids if i not in skipped)
         return self._emit(final=False)
 
     def flush(self) -> str:
@@ -116,8 +123,8 @@ class DecodingDetokenizer(IncrementalDetokenizer):
 
     def _emit(self, *, final: bool) -> str:
         decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=False)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=False)
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset = self._read_offset

@@ -7,7 +7,7 @@ module sees only plain records, so the CPU reference engine exercises the exact 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -29,6 +29,9 @@ class EngineOutput(NamedTuple):
     token_logprob: float
     top_logprobs: Sequence[float]
     top_token_ids: Sequence[int]
+    prompt_logprobs: Sequence[float] | None = None
+    """On a request's first output, when it asked for ``prompt_logprobs``: element ``i`` is the logprob of prompt
+    token ``i + 1`` given the tokens before it (DeepInfer's ``get_prompt_logprobs``, ``prompt_len - 1`` floats)."""
 
 
 class FinishReason:
@@ -62,7 +65,7 @@ class Engine(Protocol):
 
     Every method is called from the driver's one engine thread, which also constructs the engine.
     ``sampling_params`` follows DeepInfer's ``SamplingParams`` keyword contract (temperature, top_p, top_k,
-    ignore_eos, max_tokens, top_logprobs, seq_seed, so_args, ...); unknown keys raise ``TypeError``.
+    ignore_eos, max_tokens, top_logprobs, prompt_logprobs, seq_seed, so_args, ...); unknown keys raise ``TypeError``.
     """
 
     max_model_len: int
@@ -89,3 +92,15 @@ class Engine(Protocol):
     def flush_inflight_reqs(self) -> Sequence[EngineOutput]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class StructuredOutputCompiler(Protocol):
+    """An engine that compiles ``so_args`` grammars on any thread, ahead of ``add_request``.
+
+    The backend calls ``compile_so_args`` on its preparation pool (never on the engine thread) and passes what it
+    returns as ``so_args``: still the same mapping, now carrying the compiled grammar, so that ``add_request`` on
+    the engine thread only copies it. DeepInfer compiles on its own thread pool and needs no such method.
+    """
+
+    def compile_so_args(self, so_args: Mapping[str, Any]) -> Mapping[str, Any]: ...

@@ -142,6 +142,12 @@ def _generate_plan(request: GenerateRequest, body: dict[str, Any]) -> UpstreamPl
             "seed is not supported for completions by the LMDeploy backend (LMDeploy's /generate takes no seed)",
             param="seed",
         )
+    if (request.echo and sampling.logprobs) or sampling.max_tokens == 0:
+        raise InvalidRequestError(
+            "scoring a prompt (echo with logprobs, or max_tokens 0) is not supported by the LMDeploy backend: "
+            "LMDeploy's servers return no per-token prompt logprobs (only /get_ppl's aggregate perplexity)",
+            param="echo" if request.echo and sampling.logprobs else "max_tokens",
+        )
     if sampling.logprobs:
         raise InvalidRequestError(
             "logprobs are not supported for completions by the LMDeploy backend (LMDeploy returns token ids "

@@ -23,7 +23,11 @@ def build_reference_backend(config: ReferenceBackendConfig) -> EngineBackend:
         return _make_engine(config, config.seed)
 
     return EngineBackend(
-        config.name, "reference", construct, DeepSeekV41ChatTemplate(default_thinking=config.default_thinking)
+        config.name,
+        "reference",
+        construct,
+        DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
+        prepare_threads=config.prepare_threads,
     )
 
 
@@ -63,6 +67,7 @@ def _build_data_parallel_backend(config: ReferenceBackendConfig) -> EngineBacken
         plan,
         load_tokenizer,
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
+        prepare_threads=config.prepare_threads,
     )
 
 

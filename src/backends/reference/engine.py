@@ -8,8 +8,10 @@ An optional timing model (seconds per prefill token, per decode step, tokens acc
 like a GPU deployment for load tests. Each step samples the whole batch with a few numpy calls.
 
 Structured outputs (``so_args``, see ``structured``) follow DeepInfer's contract, with these differences: the
-grammar is compiled synchronously inside ``add_request`` (DeepInfer compiles on a thread pool and enqueues the
-request from a later ``step()``, so until then ``abort_request`` cannot see it); a schema that fails to compile
+grammar is compiled before ``add_request`` by ``compile_so_args``, which the gateway calls on its preparation pool
+(``so_args`` that did not go through it are compiled synchronously inside ``add_request``); DeepInfer compiles on
+its own thread pool and enqueues the request from a later ``step()``, so until then ``abort_request`` cannot see
+it, while here the request is queued at once. A schema that fails to compile
 still ends the request asynchronously, with one synthetic ``FINISHED_SO_FAILED`` output (last prompt token) at the
 next step, and ``abort_request`` does not count it, as with a pending compile. A grammar failing mid-generation
 emits token 0 with that finish reason. There is no KV-cache preemption here, so "structured requests are stopped
@@ -22,7 +24,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
@@ -36,7 +38,7 @@ from backends.engine.protocol import EOS_TOKEN_ID, EngineOutput, FinishReason
 
 from . import sampler
 from .artifacts import load_or_build
-from .model import NO_TOKEN, NGramModel
+from .model import NO_TOKEN, NGramModel, regions_after
 from .sampling_params import SamplingParams
 from .structured import StructuredOutputError, StructuredOutputs, StructuredState, check_so_args
 from .tokenizer import DEFAULT_VOCAB_SIZE, SpecialTokenIds
@@ -98,6 +100,7 @@ class ReferenceSequence:
         "prev1",
         "prev2",
         "prompt_len",
+        "prompt_logprobs",
         "region",
         "request_id",
         "so",
@@ -118,6 +121,7 @@ class ReferenceSequence:
         self.prev2 = int(prompt[-2]) if prompt.size > 1 else NO_TOKEN
         self.region = region
         self.status = SequenceStatus.WAITING
+        self.prompt_logprobs: list[float] | None = None  # sent on the first output, if the request asked
 
     def synthetic_output(self, reason: str) -> EngineOutput:
         """The single output of a request that never ran: its last prompt token, never to be detokenized."""
@@ -243,6 +247,11 @@ class ReferenceEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
+    def compile_so_args(self, so_args: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Compiles the grammar of ``so_args`` on the calling thread, for ``add_request`` to pick up (thread-safe:
+        ``StructuredOutputCompiler``, called from the gateway's preparation pool, never from the engine thread)."""
+        return self._structured.prepare(so_args)
+
     def add_request(
         self,
         user_id: str,
@@ -284,10 +293,13 @@ class ReferenceEngine:
         if so_args is not None:
             check_so_args(so_args)
         seq = ReferenceSequence(user_id, request_id, params, prompt, self.model.region_after(prompt))
+        if params.prompt_logprobs:
+            seq.prompt_logprobs = prompt_logprobs(self.model, prompt)
         self._live[request_id] = seq
         if so_args is not None:
-            # DeepInfer compiles on a thread pool and enqueues the request from a later step(); compiling here
-            # is synchronous (cached per schema), so the request is visible to abort_request at once.
+            # DeepInfer compiles on a thread pool and enqueues the request from a later step(); here the grammar
+            # was compiled by compile_so_args (or is compiled now, cached per schema), so the request is visible
+            # to abort_request at once.
             try:
                 seq.so = self._structured.compile(so_args)
             except StructuredOutputError as exc:
@@ -359,9 +371,11 @@ class ReferenceEngine:
         started = time.perf_counter()
         outputs = self._take_pending()
         num_old = len(self._running)
-        prefill_tokens = self._admit(outputs)
+        prefill_tokens, scored = self._admit(outputs)
         if self._running:
             self._decode(outputs, num_old)
+        if scored:
+            _attach_prompt_logprobs(outputs, scored)
         delay = self.args.prefill_seconds_per_token * prefill_tokens
         if num_old:
             delay += self.args.decode_seconds_per_step
@@ -378,8 +392,11 @@ class ReferenceEngine:
             self._live.pop(out.request_id, None)
         return outputs
 
-    def _admit(self, outputs: list[EngineOutput]) -> int:
-        """FIFO admission: too-long prompts finish as ``prompt_length_exceeded``; the rest fill free slots."""
+    def _admit(self, outputs: list[EngineOutput]) -> tuple[int, dict[str, list[float]]]:
+        """FIFO admission: too-long prompts finish as ``prompt_length_exceeded``; the rest fill free slots.
+
+        Returns the prefill token count and the prompt logprobs of admitted requests that asked for them.
+        """
         admitted: list[ReferenceSequence] = []
         free = self.max_num_seqs - len(self._running)
         prefill_tokens = 0
@@ -409,7 +426,8 @@ class ReferenceEngine:
             self._running_ids.extend(s.request_id for s in admitted)
             self._running_prompt_lens.extend(s.prompt_len for s in admitted)
             self._num_so = int(np.count_nonzero(self._batch.so))
-        return prefill_tokens
+        scored = {s.request_id: s.prompt_logprobs for s in admitted if s.prompt_logprobs is not None}
+        return prefill_tokens, scored  # type: ignore[return-value]
 
     def _retain(self, keep: np.ndarray) -> None:
         self._batch.keep(keep)
@@ -586,3 +604,29 @@ class ReferenceEngine:
             tokens[i] = token
             match = np.flatnonzero(ids[i] == token)
             chosen[i] = sampler.logprobs(probs[i, match[0]]) if match.size else sampler.LOGPROB_FLOOR
+
+
+def _attach_prompt_logprobs(outputs: list[EngineOutput], scored: dict[str, list[float]]) -> None:
+    """Put each scored request's prompt logprobs on its first output (the prompt step's), as DeepInfer does."""
+    for position, out in enumerate(outputs):
+        values = scored.pop(out.request_id, None)
+        if values is not None:
+            outputs[position] = out._replace(prompt_logprobs=values)
+            if not scored:
+                return
+
+
+def prompt_logprobs(model: NGramModel, prompt: np.ndarray) -> list[float]:
+    """Logprob of each prompt token after the first given the tokens before it, from the same candidate rows that
+    sampling uses (unprocessed: no temperature, top-k or top-p). A token outside its context's top ``K`` has
+    probability 0, floored at -9999.0 as DeepInfer clamps (the model knows no better)."""
+    tokens = prompt.astype(np.int64)
+    if tokens.size < 2:
+        return []
+    regions = regions_after(tokens, np.zeros(1, dtype=np.int64), model.region_of_token)
+    prev2 = np.r_[NO_TOKEN, tokens[:-2]]
+    ids, probs = model.candidates(prev2, tokens[:-1], regions[:-1])
+    weights = probs.astype(np.float64)
+    totals = np.maximum(weights.sum(axis=1), np.finfo(np.float64).tiny)
+    chosen = ((ids.astype(np.int64) == tokens[1:, None]) * weights).sum(axis=1) / totals
+    return sampler.logprobs(chosen).tolist()  # type: ignore[no-any-return]

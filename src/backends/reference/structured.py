@@ -35,6 +35,7 @@ fail the request (FINISHED_SO_FAILED), and so do Lark grammars, which DeepInfer 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -83,6 +84,34 @@ _OBJECT_KEYS = ("properties", "patternProperties", "required", "minProperties", 
 
 class StructuredOutputError(Exception):
     """``so_args`` that DeepInfer would accept at ``add_request`` but fail asynchronously (FINISHED_SO_FAILED)."""
+
+
+class CompiledGrammar:
+    """A request's grammar compiled ahead of ``add_request``: the pristine matcher and its trigger, or the error."""
+
+    __slots__ = ("bound", "error", "template", "trigger")
+
+    def __init__(
+        self,
+        template: llguidance.LLMatcher | None,
+        trigger: tuple[int, ...] = (),
+        bound: int | None = None,
+        error: str = "",
+    ) -> None:
+        self.template = template
+        self.trigger = trigger
+        self.bound = bound
+        self.error = error
+
+
+class CompiledSoArgs(dict[str, Any]):
+    """``so_args`` whose grammar was compiled off the engine thread; still the same mapping for everything else."""
+
+    __slots__ = ("grammar",)
+
+    def __init__(self, so_args: Mapping[str, Any], grammar: CompiledGrammar) -> None:
+        super().__init__(so_args)
+        self.grammar = grammar
 
 
 def check_so_args(so_args: object) -> None:
@@ -217,6 +246,7 @@ class StructuredOutputs:
         self._model = model
         self._cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher | str] = OrderedDict()
+        self._lock = threading.Lock()  # compile() runs on the gateway's preparation threads and the engine thread
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._prior_order: np.ndarray | None = None
         self._prior: np.ndarray | None = None
@@ -226,24 +256,48 @@ class StructuredOutputs:
     # ---- compile ------------------------------------------------------------------------------------------
 
     def compile(self, so_args: Mapping[str, Any]) -> StructuredState:
-        """A fresh state for a request; raises StructuredOutputError where DeepInfer fails asynchronously."""
-        schema_type = so_args.get("schema_type")
-        if schema_type not in SCHEMA_TYPES:
-            raise StructuredOutputError(f"unknown schema_type {schema_type!r}")
-        trigger = self._trigger(so_args.get("trigger_token_ids"))
-        bound = so_args.get("bound_token_id")
-        if bound is not None:
-            if not self._is_token(bound):
-                raise StructuredOutputError(f"bound_token_id must be a token id, got {bound!r}")
-            if not trigger:
-                raise StructuredOutputError("bound_token_id needs non-empty trigger_token_ids")
-        schema = so_args["schema"]
-        if schema_type == "json" and isinstance(schema, Mapping):
-            schema = json.dumps(schema)
-        if not isinstance(schema, str):
-            raise StructuredOutputError(f"schema must be a string, not {type(schema).__name__}")
-        template = self._compiled(schema_type, schema)
-        return StructuredState(template.deep_copy(), trigger, bound)
+        """A fresh state for a request; raises StructuredOutputError where DeepInfer fails asynchronously.
+
+        ``so_args`` compiled ahead (``prepare``) only cost a copy of their matcher here.
+        """
+        grammar = so_args.grammar if isinstance(so_args, CompiledSoArgs) else self._grammar(so_args)
+        if grammar.template is None:
+            raise StructuredOutputError(grammar.error)
+        return StructuredState(grammar.template.deep_copy(), grammar.trigger, grammar.bound)
+
+    def prepare(self, so_args: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Compiles the grammar of ``so_args`` now, on any thread; ``add_request`` then only copies it.
+
+        ``so_args`` that ``add_request`` refuses synchronously come back unchanged, so it still raises for them.
+        """
+        if isinstance(so_args, CompiledSoArgs):
+            return so_args
+        try:
+            check_so_args(so_args)
+        except (TypeError, ValueError, KeyError):
+            return so_args
+        return CompiledSoArgs(so_args, self._grammar(so_args))
+
+    def _grammar(self, so_args: Mapping[str, Any]) -> CompiledGrammar:
+        try:
+            schema_type = so_args.get("schema_type")
+            if schema_type not in SCHEMA_TYPES:
+                raise StructuredOutputError(f"unknown schema_type {schema_type!r}")
+            trigger = self._trigger(so_args.get("trigger_token_ids"))
+            bound = so_args.get("bound_token_id")
+            if bound is not None:
+                if not self._is_token(bound):
+                    raise StructuredOutputError(f"bound_token_id must be a token id, got {bound!r}")
+                if not trigger:
+                    raise StructuredOutputError("bound_token_id needs non-empty trigger_token_ids")
+            schema = so_args["schema"]
+            if schema_type == "json" and isinstance(schema, Mapping):
+                schema = json.dumps(schema)
+            if not isinstance(schema, str):
+                raise StructuredOutputError(f"schema must be a string, not {type(schema).__name__}")
+            return CompiledGrammar(self._compiled(schema_type, schema), trigger, bound)
+        except StructuredOutputError as exc:
+            return CompiledGrammar(None, error=str(exc))
 
     def _is_token(self, value: object) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self.vocab_size
@@ -258,14 +312,16 @@ class StructuredOutputs:
     def _compiled(self, schema_type: str, schema: str) -> llguidance.LLMatcher:
         """The cached pristine matcher for (schema_type, schema); requests get deep copies of it."""
         key = (schema_type, schema)
-        entry = self._cache.get(key)
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
         if entry is None:
-            entry = self._build(schema_type, schema)
-            self._cache[key] = entry
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+            entry = self._build(schema_type, schema)  # outside the lock: compiles may run in parallel
+            with self._lock:
+                self._cache[key] = entry
+                if len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
         if isinstance(entry, str):
             raise StructuredOutputError(entry)
         return entry
@@ -291,11 +347,12 @@ class StructuredOutputs:
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         """Built on first use (~40 ms): engines that never see so_args never pay for it."""
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.LLTokenizer(
-                self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self.eos
-            )
-        return self._ll_tokenizer
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self.eos
+                )
+            return self._ll_tokenizer
 
     # ---- per step -----------------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from prometheus_client.metrics_core import Metric
 from tokenizers import Tokenizer
 
 from backends.engine.backend import ChatTemplate, EngineBackend
+from backends.engine.prompts import DEFAULT_PREPARE_THREADS
 from backends.engine.protocol import Engine
 from backends.workers.driver import DataParallelDriver, WorkerPlan
 
@@ -40,8 +41,10 @@ class DataParallelBackend(EngineBackend):
         plan: WorkerPlan,
         load_tokenizer: Callable[[], Tokenizer],
         chat_template: ChatTemplate,
+        *,
+        prepare_threads: int = DEFAULT_PREPARE_THREADS,
     ) -> None:
-        super().__init__(name, kind, _no_local_engine, chat_template)
+        super().__init__(name, kind, _no_local_engine, chat_template, prepare_threads=prepare_threads)
         self.driver = DataParallelDriver(name, plan, load_tokenizer)
 
     def readiness(self) -> tuple[bool, str]:

@@ -8,10 +8,11 @@ iteration; each worker step arrives as ONE message whose outputs go to the reque
 does per step. Load (outstanding requests, queued prompt tokens) is kept here, from what was sent and from the
 first output of each request (its prefill is done), so choosing a rank costs no round trip.
 
-Failure: a rank that exits, reports ``FAILED`` or falls silent fails its in-flight requests with an
-``UpstreamError`` and is restarted with exponential backoff while the other ranks serve. In lockstep mode a
-dead rank leaves its peers blocked inside a collective, so the whole group is killed, its requests failed, and
-restarted together once every old process is gone.
+Failure: a rank that exits, reports ``FAILED``, falls silent or is not ready by its start deadline fails its
+in-flight requests with an ``UpstreamError`` and is restarted with exponential backoff while the other ranks serve.
+In lockstep mode a dead rank leaves its peers blocked inside a collective, so the whole group is killed, its
+requests failed, and restarted together once every old process is gone. When to restart is decided by
+``RankSupervisor`` (``supervisor.py``), a state machine on the loop's clock; this module carries it out.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from backends.engine.protocol import EngineOutput
 from backends.errors import BackendError, InvalidRequestError, OverloadedError, UnavailableError, UpstreamError
 from backends.workers import messages as m
 from backends.workers.balancer import RankBalancer
+from backends.workers.supervisor import Clock, RankSupervisor, RestartPolicy
 from backends.workers.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -65,9 +67,13 @@ class WorkerPlan:
     rank_env: Callable[[int], dict[str, str]] | None = None
     """Extra environment per local rank (e.g. its GPUs)."""
     restart_backoff: float = 0.5
+    """The first restart's delay; it doubles with each failure in a row, up to ``max_backoff``."""
     max_backoff: float = 30.0
     stable_seconds: float = 30.0
     """A rank up this long has its backoff reset."""
+    start_timeout: float = 1800.0
+    """A rank not ready this long after its launch is killed and counted as failed (generous: DeepInfer loading a
+    large model from shared storage takes many minutes, and a deadline hit by a healthy start would repeat)."""
     heartbeat_timeout: float = 10.0
     """A rank silent this long is declared dead (workers report at least every second, and after each step)."""
 
@@ -105,10 +111,8 @@ class RankState:
         self.samples: Sequence[Sequence[Any]] = ()  # the engine's own metric_samples(), as last reported
         self.base = DriverStats()  # totals of earlier incarnations, so counters never go back
         self.dispatched = 0
-        self.restarts = 0
-        self.failures_in_a_row = 0
+        self.launches = 0
         self.reason = "not started"
-        self.up_since = 0.0
         self.last_heard = 0.0
 
     def report(self, stats: m.RankStats) -> None:
@@ -119,6 +123,10 @@ class RankState:
     @property
     def outstanding(self) -> int:
         return len(self.requests)
+
+    @property
+    def restarts(self) -> int:
+        return max(0, self.launches - 1)
 
     def totals(self) -> DriverStats:
         s = self.stats
@@ -162,6 +170,7 @@ class DataParallelDriver:
         plan: WorkerPlan,
         load_tokenizer: Callable[[], Tokenizer],
         balancer: RankBalancer | None = None,
+        clock: Clock | None = None,
     ) -> None:
         if plan.size < 1:
             raise ValueError("data_parallel_size must be at least 1")
@@ -171,6 +180,8 @@ class DataParallelDriver:
         self.plan = plan
         self._load_tokenizer = load_tokenizer
         self.balancer = balancer or RankBalancer(plan.size)
+        self.clock = clock
+        """The supervisor's clock and timers; None: the event loop's."""
         self.engine: RankedEngineView | None = None
         self.ranks: list[RankState] = []
         self._sinks: dict[str, _Entry] = {}
@@ -180,8 +191,7 @@ class DataParallelDriver:
         self._flush_pending = False
         self._started: asyncio.Future[None] | None = None
         self._stopping = False
-        self._restart: asyncio.TimerHandle | None = None
-        self._restart_due = 0.0
+        self.supervisor: RankSupervisor | None = None
         self._generation = 0
         self._heartbeat: asyncio.TimerHandle | None = None
         self._last_prompt: np.ndarray | None = None
@@ -229,12 +239,15 @@ class DataParallelDriver:
         self._context = zmq.Context()
         self._run_dir = tempfile.mkdtemp(prefix="dp-")
         tokenizer_task = asyncio.ensure_future(asyncio.to_thread(self._load_tokenizer))
-        self.ranks = [
-            RankState(i, endpoint, bool(self.plan.remote_endpoints)) for i, endpoint in enumerate(self._endpoints())
-        ]
+        self.ranks = [RankState(i, self._endpoint(i), bool(self.plan.remote_endpoints)) for i in range(self.plan.size)]
         self._started = loop.create_future()
+        plan = self.plan
+        policy = RestartPolicy(plan.restart_backoff, plan.max_backoff, plan.stable_seconds, plan.start_timeout)
+        self.supervisor = RankSupervisor(
+            plan.size, policy, self.clock or loop, self, lockstep=plan.lockstep, local=not plan.remote_endpoints
+        )
         try:
-            self._launch_all()
+            self.supervisor.start()
             await self._started
             tokenizer = await tokenizer_task
         except BaseException:
@@ -249,14 +262,15 @@ class DataParallelDriver:
     async def stop(self) -> None:
         """Fails outstanding requests, has every local rank close its engine (together, in lockstep), reaps them."""
         self._stopping = True
-        for handle in (self._restart, self._heartbeat):
-            if handle is not None:
-                handle.cancel()
+        if self.supervisor is not None:
+            self.supervisor.close()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         for request_id in list(self._sinks):
             self._fail(request_id, UnavailableError(f"backend {self.name!r} is shutting down"))
         for rank in self.ranks:
-            if rank.socket is not None:
-                self._send(rank, [m.RESET] if rank.remote else [m.STOP])
+            if rank.socket is not None and not self._send(rank, [m.RESET] if rank.remote else [m.STOP]):
+                logger.warning("rank %d of %s has a full queue: killed if it does not stop", rank.index, self.name)
         waiting = [r.exited for r in self.ranks if r.exited is not None and not r.exited.done()]
         if waiting:
             _, late = await asyncio.wait(waiting, timeout=STOP_TIMEOUT_SECONDS)
@@ -342,30 +356,39 @@ class DataParallelDriver:
         for rank in self.ranks:
             if not (rank.adds or rank.aborts):
                 continue
-            if rank.socket is not None:
-                self._send(rank, [m.BATCH, rank.adds, rank.aborts])
+            if rank.socket is None:
+                rank.adds = []
+                rank.aborts = []
+            elif self._send(rank, [m.BATCH, rank.adds, rank.aborts]):
                 sent.append(rank)
                 added = added or bool(rank.adds)
-            rank.adds = []
-            rank.aborts = []
+                rank.adds = []
+                rank.aborts = []
+            # else the rank's queue is full (it is inside a long step): the commands stay queued here and go,
+            # merged with later ones, when it has read (``_on_readable``); none is ever dropped
         if added and self.plan.lockstep:
             # Idle ranks wait on their inbox between the group's has_unfinished_requests calls: wake them now,
             # so the rank given work does not wait in the collective for the others' poll timeout.
             for rank in self.ranks:
                 if rank not in sent and rank.socket is not None:
-                    self._send(rank, [m.BATCH, [], []])
+                    self._send(rank, [m.BATCH, [], []])  # a wake-up: redundant if its queue is full
 
-    def _send(self, rank: RankState, message: list[Any]) -> None:
+    def _send(self, rank: RankState, message: list[Any]) -> bool:
+        """Sends without blocking; False if the rank's queue is full (``messages.QUEUE_MESSAGES``)."""
         socket = rank.socket
         assert socket is not None and self._loop is not None
+        sent = True
         try:
             socket.send(m.pack(message), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # unbounded queue: only a broken socket gets here
+        except zmq.Again:
+            sent = False
+        except zmq.ZMQError as exc:  # a broken socket: the rank's heartbeat or exit will take it down
             logger.error("cannot send to rank %d of %s: %s", rank.index, self.name, exc)
         # ZeroMQ's descriptor is edge-triggered and any operation may consume its edge: reading ZMQ_EVENTS re-arms
         # it, and tells whether messages are already waiting that no edge will announce.
         if socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._loop.call_soon(self._on_readable, rank.index)
+        return sent
 
     # ---- receiving -------------------------------------------------------------------------------------------------
 
@@ -376,6 +399,8 @@ class DataParallelDriver:
             try:
                 data = socket.recv(zmq.NOBLOCK)
             except zmq.Again:
+                if rank.adds or rank.aborts:  # held back by a full queue; the worker may have read since
+                    self._schedule_flush()
                 return
             rank.last_heard = time.monotonic()
             message = m.unpack_event(data)
@@ -434,40 +459,56 @@ class DataParallelDriver:
         if rank.state == "up":  # a remote rank restarted behind the same endpoint
             self._take_down(rank, "restarted")
             self._connect(rank)
+        elif rank.state != "starting":
+            return  # a late READY on a socket of a rank taken down
         rank.pid = pid
         rank.info = info
         rank.state = "up"
         rank.reason = ""
-        rank.up_since = rank.last_heard = time.monotonic()
+        rank.last_heard = time.monotonic()
         logger.info("rank %d of %s is up (pid %d)", rank.index, self.name, pid)
+        assert self.supervisor is not None
+        self.supervisor.ready(rank.index)
         started = self._started
         if started is not None and not started.done() and all(r.state == "up" for r in self.ranks):
             started.set_result(None)
 
-    # ---- processes, sockets, failure -------------------------------------------------------------------------------
+    # ---- processes, sockets, failure (what RankSupervisor decides, carried out: the RankControl surface) --------
 
-    def _endpoints(self) -> list[str]:
+    def launch(self, ranks: Sequence[int]) -> None:
+        """Starts these ranks (all of them, as one new group, in lockstep)."""
+        collective = None
+        if self.plan.lockstep:
+            self._generation += 1
+            collective = self._collective_endpoint()
+        for index in ranks:
+            self._launch(self.ranks[index], collective)
+
+    def take_down(self, index: int, reason: str, restart_in: float) -> None:
+        rank = self.ranks[index]
+        logger.error("rank %d of %s is down: %s; restarting in %.1f s", index, self.name, reason, restart_in)
+        self._take_down(rank, reason)
+        rank.reason = f"{reason}; restarting in {restart_in:.1f} s"
+        started = self._started
+        if started is not None and not started.done():
+            started.set_exception(RuntimeError(f"rank {index} of backend {self.name!r} failed: {reason}"))
+
+    def _endpoint(self, rank: int) -> str:
+        """Where a rank is reached: for a local TCP rank a port free now, chosen again at each launch (the old one
+        may have been taken meanwhile; if it is taken before the worker binds, the worker exits and is relaunched
+        on another)."""
         plan = self.plan
         if plan.remote_endpoints:
-            return list(plan.remote_endpoints)
-        if plan.transport == "tcp":
-            return [f"tcp://{plan.host}:{_free_port(plan.host)}" for _ in range(plan.size)]
-        assert self._run_dir is not None
-        return [f"ipc://{self._run_dir}/rank-{i}" for i in range(plan.size)]
-
-    def _collective_endpoint(self) -> str | None:
-        plan = self.plan
-        if not plan.lockstep:
-            return None
+            return plan.remote_endpoints[rank]
         if plan.transport == "tcp":
             return f"tcp://{plan.host}:{_free_port(plan.host)}"
-        return f"ipc://{self._run_dir}/collective-{self._generation}"
+        assert self._run_dir is not None
+        return f"ipc://{self._run_dir}/rank-{rank}"
 
-    def _launch_all(self) -> None:
-        self._generation += 1
-        collective = self._collective_endpoint()
-        for rank in self.ranks:
-            self._launch(rank, collective)
+    def _collective_endpoint(self) -> str:
+        if self.plan.transport == "tcp":
+            return f"tcp://{self.plan.host}:{_free_port(self.plan.host)}"
+        return f"ipc://{self._run_dir}/collective-{self._generation}"
 
     def _launch(self, rank: RankState, collective: str | None) -> None:
         """Connects to the rank's endpoint (sending RESET as the hello) and, for a local rank, starts its process."""
@@ -475,6 +516,9 @@ class DataParallelDriver:
         rank.state = "starting"
         rank.reason = "starting"
         rank.pid = None
+        rank.launches += 1
+        if not rank.remote:
+            rank.endpoint = self._endpoint(rank.index)
         self._connect(rank)
         if rank.remote:
             return
@@ -493,9 +537,14 @@ class DataParallelDriver:
         if plan.rank_env is not None:
             env.update(plan.rank_env(rank.index))
         # Spawned from the event loop's thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
-        process = subprocess.Popen(
-            [sys.executable, "-m", "backends.workers.worker", spec.to_json()], stdin=subprocess.DEVNULL, env=env
-        )
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "backends.workers.worker", spec.to_json()], stdin=subprocess.DEVNULL, env=env
+            )
+        except OSError as exc:  # reported from the next loop iteration: the supervisor is inside its launch now
+            logger.exception("cannot start rank %d of %s", rank.index, self.name)
+            self._loop.call_soon(self._never_started, rank, f"cannot start its worker process: {exc}")
+            return
         rank.process = process
         rank.exited = self._loop.create_future()
         self._watch_exit(rank, process, rank.exited)
@@ -504,8 +553,7 @@ class DataParallelDriver:
         assert self._context is not None and self._loop is not None
         self._close_socket(rank)
         socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.SNDHWM, 0)
-        socket.setsockopt(zmq.RCVHWM, 0)
+        m.bound_queues(socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RECONNECT_IVL, 20)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -549,41 +597,26 @@ class DataParallelDriver:
         rank.process = None
         if self._stopping:
             return
-        reason = f"worker exited with {_describe_exit(code)}"
-        if rank.state != "down":
-            self._rank_failed(rank, reason)
-        else:
-            self._maybe_restart()
+        self._rank_failed(rank, f"worker exited with {_describe_exit(code)}")
+        assert self.supervisor is not None
+        self.supervisor.exited(rank.index)  # its GPU memory is free: a relaunch may go ahead
+
+    def _never_started(self, rank: RankState, reason: str) -> None:
+        if self._stopping:
+            return
+        self._rank_failed(rank, reason)
+        assert self.supervisor is not None
+        self.supervisor.exited(rank.index)  # there is no process to wait for
 
     def _rank_failed(self, rank: RankState, reason: str) -> None:
+        """Reports the failure; the supervisor takes the rank (in lockstep, the group) down and plans the restart."""
         if rank.state == "down" or self._stopping:
             return
-        logger.error("rank %d of %s failed: %s", rank.index, self.name, reason)
-        started = self._started
-        if started is not None and not started.done():
-            self._take_down(rank, reason)
-            started.set_exception(RuntimeError(f"rank {rank.index} of backend {self.name!r} failed: {reason}"))
-            return
-        self._take_down(rank, reason)
-        if self.plan.lockstep:  # its peers are blocked in a collective: the group restarts as one
-            for other in self.ranks:
-                if other is not rank and other.state != "down":
-                    self._take_down(other, f"lockstep group restart after rank {rank.index} failed")
-        plan = self.plan
-        failures = max(r.failures_in_a_row for r in self.ranks)
-        delay = min(plan.max_backoff, plan.restart_backoff * 2**failures)
-        for r in self.ranks if plan.lockstep else [rank]:
-            r.failures_in_a_row += 1
-            r.reason += f"; restarting in {delay:.1f} s"
-        assert self._loop is not None
-        self._restart_due = max(self._restart_due, self._loop.time() + delay)
-        if self._restart is None:
-            self._restart = self._loop.call_at(self._restart_due, self._on_restart_timer)
+        assert self.supervisor is not None
+        self.supervisor.failed(rank.index, reason)
 
     def _take_down(self, rank: RankState, reason: str) -> None:
         """Marks the rank down, fails its requests, and kills its process (if ours) so it can be replaced."""
-        if time.monotonic() - rank.up_since >= self.plan.stable_seconds and rank.state == "up":
-            rank.failures_in_a_row = 0
         rank.state = "down"
         rank.reason = reason
         self._close_socket(rank)
@@ -599,38 +632,14 @@ class DataParallelDriver:
             with contextlib.suppress(ProcessLookupError):
                 rank.process.send_signal(signal.SIGKILL)
 
-    def _on_restart_timer(self) -> None:
-        self._restart = None
-        self._maybe_restart()
-
-    def _maybe_restart(self) -> None:
-        """Relaunches down ranks once their backoff passed and their old process is gone (GPU memory freed)."""
-        if self._stopping or self._restart is not None or self._loop is None:
-            return
-        if self._loop.time() < self._restart_due:
-            return
-        down = [r for r in self.ranks if r.state == "down"]
-        if not down:
-            return
-        if self.plan.lockstep:
-            if any(r.process is not None for r in self.ranks):
-                return  # _on_exit of the last old process calls back here
-            for rank in self.ranks:
-                rank.restarts += 1
-            self._launch_all()
-            return
-        collective = None
-        for rank in down:
-            if rank.process is None:
-                rank.restarts += 1
-                self._launch(rank, collective)
-
     def _check_heartbeats(self) -> None:
         assert self._loop is not None
         now = time.monotonic()
         for rank in self.ranks:
             if rank.state == "up" and now - rank.last_heard > self.plan.heartbeat_timeout:
                 self._rank_failed(rank, f"silent for {now - rank.last_heard:.0f} s")
+            elif rank.adds or rank.aborts:
+                self._schedule_flush()  # commands held back by a full queue (normally ``_on_readable`` resends)
         self._heartbeat = self._loop.call_later(HEARTBEAT_CHECK_SECONDS, self._check_heartbeats)
 
     def _reasons(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import msgpack
+import zmq
 
 # Dispatcher -> worker.
 BATCH = 0
@@ -55,6 +56,19 @@ class RankStats(NamedTuple):
     kv_usage: float
     steps_per_second: float
     samples: list[list[Any]] | None
+
+
+QUEUE_MESSAGES = 64
+"""ZeroMQ high-water mark, in messages, of each socket's send and receive queue on both sides. A DEALER whose peer's
+queues are full does not drop: its send blocks (``EAGAIN`` with ``NOBLOCK``). So a worker whose dispatcher does not
+keep up waits before its next step (the engine pauses instead of queueing outputs no one reads), and a dispatcher
+whose worker is inside a long step keeps its commands and sends them, merged, once the worker has read."""
+
+
+def bound_queues(socket: zmq.Socket) -> None:
+    """Applies ``QUEUE_MESSAGES`` to a socket, before it binds or connects."""
+    socket.setsockopt(zmq.SNDHWM, QUEUE_MESSAGES)
+    socket.setsockopt(zmq.RCVHWM, QUEUE_MESSAGES)
 
 
 ERROR_KINDS = ("invalid_request", "upstream", "overloaded")

@@ -142,9 +142,15 @@ class Worker:
             )
         )
 
-    def send(self, message: list[Any]) -> None:
-        # Again: no dispatcher is connected; its requests went with it, and it RESETs us when it returns.
-        with contextlib.suppress(zmq.Again):
+    def send(self, message: list[Any], *, block: bool = True) -> None:
+        """Sends a message; by default waits while the dispatcher's queue is full (``messages.QUEUE_MESSAGES``) or
+        no dispatcher is connected, so a step's outputs are never dropped: the engine pauses instead. A dispatcher
+        that left took its requests with it; the next one receives what waited here, drops outputs of requests it
+        does not know, and sends RESET."""
+        if block:
+            self.socket.send(m.pack(message))
+            return
+        with contextlib.suppress(zmq.Again):  # a heartbeat is redundant while the queue is full of messages
             self.socket.send(m.pack(message), zmq.NOBLOCK)
 
     def run(self) -> None:
@@ -193,7 +199,7 @@ class Worker:
                     self.socket.poll(int(HEARTBEAT_SECONDS * 1000))
                 awake = clock()
                 if awake - self._last_report >= HEARTBEAT_SECONDS:
-                    self.send([m.HEARTBEAT, self._stats(awake)])
+                    self.send([m.HEARTBEAT, self._stats(awake)], block=False)
                     self._last_report = awake
                 continue
             now = clock()
@@ -203,7 +209,7 @@ class Worker:
             if outputs or self._errors or now - self._last_report >= REPORT_SECONDS:
                 self._report(outputs, now)
         engine.close()
-        self.send([m.CLOSED])
+        self.send([m.CLOSED], block=False)
 
     def _drain(self) -> None:
         socket = self.socket
@@ -306,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the gateway stops us
     context = zmq.Context.instance()
     socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.SNDHWM, 0)
-    socket.setsockopt(zmq.RCVHWM, 0)
+    m.bound_queues(socket)
     socket.setsockopt(zmq.LINGER, 2000)
     socket.bind(spec.endpoint)
     context_for_factory = RankContext(spec.rank, spec.size, spec.lockstep, spec.collective_endpoint, spec.options)

@@ -6,10 +6,11 @@ at their default values and rejected with a 400 naming them otherwise: silence w
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backends.interface import SamplingOptions
 
@@ -18,14 +19,123 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 RESPONSE_FORMATS = {"text": None, "json_object": None, "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
 """``response_format`` types and the key each one needs; ``regex`` and ``ebnf`` are extensions."""
+TEXT_PART_TYPES = ("text",)
+TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
+"""A text part's fields; ``prompt_cache_breakpoint`` is a caching hint for OpenAI's service, taken and ignored."""
+UNSUPPORTED_PART_TYPES = ("image_url", "input_audio", "file", "refusal")
+"""Content parts OpenAI defines that these models cannot take: a 400 that says so, not "invalid"."""
+THINKING_SWITCHES = ("thinking", "enable_thinking", "drop_thinking")
+SHOWN_CHARS = 64
+"""Client values quoted in error messages are cut to this many characters."""
+
+
+def shown(value: object) -> str:
+    """A client's value as JSON text for an error message (never a Python repr), cut to ``SHOWN_CHARS``."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        text = "an array" if isinstance(value, list) else "an object"
+    text = text.encode("utf-8", "replace").decode("utf-8")
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
+
+
+class ParameterError(ValueError):
+    """Raised inside validators. ``where`` is the path below the validated field ("" for the field itself,
+    ``[0].type`` below a list, ``top_logprobs`` from a model-level rule), so the 400's ``param`` is the full path."""
+
+    code = "invalid_value"
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"{where}: {why}" if where else why)
+        self.where = where
+        self.why = why
+
+
+class UnsupportedParameter(ParameterError):
+    """A valid OpenAI value that this gateway cannot honour: the 400 names the feature."""
+
+    code = "unsupported_value"
+
+
+class EmptyArray(ParameterError):
+    code = "empty_array"
+
+
+class MissingParameter(ParameterError):
+    """A field OpenAI requires in this case (a user message's content, a tool message's tool_call_id)."""
+
+    code = "missing_required_parameter"
+
+
+def unencodable_text(value: object) -> str | None:
+    """The path of the first string (or the object holding the first key) that is not valid Unicode text, such as
+    a lone UTF-16 surrogate from a ``\\ud800`` escape; None when all text can be encoded. Iterative, so that a
+    deeply nested body cannot exhaust the stack; runs before any tokenizer sees the text."""
+    pending: list[tuple[object, str]] = [(value, "")]
+    while pending:
+        node, path = pending.pop()
+        if isinstance(node, str):
+            if not node.isascii() and not _encodable(node):
+                return path
+        elif isinstance(node, dict):
+            children = []
+            for key, item in node.items():
+                if isinstance(key, str) and not key.isascii() and not _encodable(key):
+                    return path
+                children.append((item, f"{path}.{key}" if path else str(key)))
+            pending.extend(reversed(children))
+        elif isinstance(node, list):
+            pending.extend(reversed([(item, f"{path}[{i}]") for i, item in enumerate(node)]))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class InvalidText(ParameterError):
+    code = "invalid_value"
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where, "the text is not valid Unicode (it holds a lone UTF-16 surrogate)")
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict: a string is never read as a number or a boolean, nor a boolean as a number (OpenAI answers
+    those with ``invalid_type``). ``null_means_default`` lists the fields OpenAI declares nullable whose
+    default here is not None: ``null`` gives the default."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    null_means_default: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.null_means_default:
+            nulls = [k for k in cls.null_means_default if k in data and data[k] is None]
+            if nulls:
+                data = {k: v for k, v in data.items() if k not in nulls}
+        return data
+
+
+class _Request(_Body):
+    """A whole request body: its text must be encodable before anything else looks at it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_text(cls, data: Any) -> Any:
+        where = unencodable_text(data)
+        if where is not None:
+            raise InvalidText(where)
+        return data
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -33,25 +143,61 @@ class ChatMessage(_Body):
     reasoning_content: str | None = None
     reasoning: str | None = Field(None, description="vLLM's name for reasoning_content; either is accepted")
     refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     @field_validator("content")
     @classmethod
     def _text_parts_only(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
         if isinstance(value, list):
-            for part in value:
+            if not value:
+                raise EmptyArray("", "an array of content parts needs at least one part")
+            for i, part in enumerate(value):
                 kind = part.get("type")
-                if kind != "text":
-                    raise ValueError(f"content parts of type {kind!r} are not supported by this model; send text")
+                if kind in UNSUPPORTED_PART_TYPES:
+                    raise UnsupportedParameter(
+                        f"[{i}].type", f"content parts of type {shown(kind)} are not supported by this model; send text"
+                    )
+                if kind not in TEXT_PART_TYPES:
+                    raise ParameterError(f"[{i}].type", f"expected 'text', got {shown(kind)}")
                 if not isinstance(part.get("text"), str):
-                    raise ValueError("a text content part needs a string 'text'")
+                    raise ParameterError(f"[{i}].text", "a text content part needs a string 'text'")
+                extra = sorted(set(part) - TEXT_PART_FIELDS)
+                if extra:
+                    raise ParameterError(f"[{i}].{extra[0]}", "unknown field in a text content part")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _function_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, call in enumerate(value or ()):
+            kind = call.get("type")
+            if kind == "custom":
+                raise UnsupportedParameter(f"[{i}].type", "custom tool calls are not supported; use function tools")
+            if kind != "function":
+                raise ParameterError(f"[{i}].type", f"expected 'function', got {shown(kind)}")
+            if not isinstance(call.get("id"), str):
+                raise MissingParameter(f"[{i}].id", "a tool call needs a string id")
+            function = call.get("function")
+            if not isinstance(function, dict):
+                raise ParameterError(f"[{i}].function", 'expected {"name": ..., "arguments": ...}')
+            for key in ("name", "arguments"):
+                if not isinstance(function.get(key), str):
+                    raise ParameterError(f"[{i}].function.{key}", "expected a string")
         return value
 
     @model_validator(mode="after")
     def _content_rules(self) -> ChatMessage:
+        if self.role == "function":
+            raise UnsupportedParameter("role", "the deprecated 'function' role is not supported; use 'tool'")
         if self.role in ("system", "developer", "user") and self.content is None:
-            raise ValueError(f"a {self.role} message needs content")
+            raise MissingParameter("content", f"a {self.role} message needs content")
         if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs tool_call_id")
+            raise MissingParameter("tool_call_id", "a tool message needs tool_call_id")
+        if self.audio is not None:
+            raise UnsupportedParameter("audio", "audio in messages is not supported")
+        if self.function_call is not None:
+            raise UnsupportedParameter("function_call", "the deprecated functions API is not supported; use tools")
         return self
 
     def text(self) -> str:
@@ -67,14 +213,16 @@ class StreamOptions(_Body):
     include_obfuscation: bool | None = None
 
 
-class _Sampling(_Body):
+class _Sampling(_Request):
     """Fields shared by chat and completions."""
+
+    null_means_default: ClassVar[frozenset[str]] = frozenset({"stream", "n"})
 
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="extension: sample among the k most likely tokens")
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
@@ -83,7 +231,7 @@ class _Sampling(_Body):
     ignore_eos: bool = Field(False, description="extension: generate until max_tokens even past end-of-sequence")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[int, Field(ge=-100, le=100)]] | None = None
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="extension (vLLM, LMDeploy)")
     min_p: float | None = Field(None, ge=0, le=1, description="extension (vLLM, LMDeploy)")
     min_tokens: int | None = Field(None, ge=0, description="extension: generate at least this many tokens")
@@ -94,9 +242,10 @@ class _Sampling(_Body):
     def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list):
             if len(value) > MAX_STOP_SEQUENCES:
-                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
-            if any(not s for s in value):
-                raise ValueError("stop sequences must be non-empty strings")
+                raise ParameterError("", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+            for i, sequence in enumerate(value):
+                if not sequence:
+                    raise ParameterError(f"[{i}]", "stop sequences must be non-empty strings")
         return value
 
     def stop_list(self) -> list[str]:
@@ -105,13 +254,18 @@ class _Sampling(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def top_k_value(self) -> int | None:
+        if self.top_p == 0:
+            return 1  # nucleus of mass 0: the most likely token alone (engines take top_p in (0, 1] only)
         return None if self.top_k in (None, 0, -1) else self.top_k
+
+    def top_p_value(self) -> float | None:
+        return None if self.top_p == 0 else self.top_p
 
     def sampling_options(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingOptions:
         return SamplingOptions(
             max_tokens=max_tokens,
             temperature=self.temperature,
-            top_p=self.top_p,
+            top_p=self.top_p_value(),
             top_k=self.top_k_value(),
             seed=self.seed,
             stop=self.stop_list(),
@@ -123,21 +277,14 @@ class _Sampling(_Body):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
-            logit_bias=self.logit_bias or None,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             skip_special_tokens=self.skip_special_tokens,
         )
 
 
-class UnsupportedParameter(ValueError):
-    """Raised inside validators; the message names the parameter so the 400 does too."""
-
-    def __init__(self, param: str, why: str) -> None:
-        super().__init__(f"{param}: {why}")
-        self.param = param
-        self.why = why
-
-
 class ChatCompletionRequest(_Sampling):
+    null_means_default: ClassVar[frozenset[str]] = frozenset({"stream", "n", "logprobs"})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -151,22 +298,26 @@ class ChatCompletionRequest(_Sampling):
         description='text, json_object, json_schema; extensions: {"type": "regex", "regex": ...}, '
         '{"type": "ebnf", "ebnf": ...}',
     )
-    reasoning_effort: StrictStr | StrictInt | None = Field(
+    reasoning_effort: str | int | None = Field(
         None, description="none, minimal, low, medium, high, xhigh, max, or (extension) an integer from 1 to 100"
     )
     chat_template_kwargs: dict[str, Any] | None = Field(None, description='extension: e.g. {"thinking": true}')
     # Accepted at their defaults only (see the validator).
-    modalities: list[str] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # Hints for OpenAI's own service, accepted and not acted on.
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    verbosity: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
 
     @field_validator("tools")
@@ -174,20 +325,23 @@ class ChatCompletionRequest(_Sampling):
     def _function_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         names: set[str] = set()
         for i, tool in enumerate(value or ()):
-            if tool.get("type") != "function":
-                raise ValueError(f"tools[{i}].type must be 'function'")
+            kind = tool.get("type")
+            if kind == "custom":
+                raise UnsupportedParameter(f"[{i}].type", "custom tools are not supported; use function tools")
+            if kind != "function":
+                raise ParameterError(f"[{i}].type", f"expected 'function', got {shown(kind)}")
             function = tool.get("function")
             if not isinstance(function, dict):
-                raise ValueError(f"tools[{i}].function must be an object")
+                raise ParameterError(f"[{i}].function", "expected an object")
             name = function.get("name")
             if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-                raise ValueError(f"tools[{i}].function.name must be 1-64 letters, digits, underscores or dashes")
+                raise ParameterError(f"[{i}].function.name", "must be 1-64 letters, digits, underscores or dashes")
             if name in names:
-                raise ValueError(f"tools[{i}].function.name {name!r} is given twice")
+                raise ParameterError(f"[{i}].function.name", f"the function {shown(name)} is given twice")
             names.add(name)
             parameters = function.get("parameters")
             if parameters is not None and not isinstance(parameters, dict):
-                raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object")
+                raise ParameterError(f"[{i}].function.parameters", "must be a JSON Schema object")
         return value
 
     @field_validator("tool_choice")
@@ -195,13 +349,18 @@ class ChatCompletionRequest(_Sampling):
     def _tool_choice_shape(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if isinstance(value, str):
             if value not in ("none", "auto", "required"):
-                raise ValueError("expected 'none', 'auto', 'required' or a function object")
+                raise ParameterError("", "expected 'none', 'auto', 'required' or a function object")
         elif value is not None:
+            kind = value.get("type")
+            if kind in ("allowed_tools", "custom"):
+                raise UnsupportedParameter(".type", f"tool_choice of type {shown(kind)} is not supported")
+            if kind != "function":
+                raise ParameterError(".type", f"expected 'function', got {shown(kind)}")
             function = value.get("function")
-            if value.get("type") != "function" or not isinstance(function, dict):
-                raise ValueError('expected {"type": "function", "function": {"name": ...}}')
+            if not isinstance(function, dict):
+                raise ParameterError(".function", 'expected {"name": ...}')
             if not isinstance(function.get("name"), str):
-                raise ValueError("tool_choice.function.name must be a string")
+                raise ParameterError(".function.name", "expected a string")
         return value
 
     @field_validator("response_format")
@@ -210,15 +369,27 @@ class ChatCompletionRequest(_Sampling):
         if value is None:
             return value
         kind = value.get("type")
-        if kind not in RESPONSE_FORMATS:
-            raise ValueError(f"type must be one of {', '.join(RESPONSE_FORMATS)}")
+        if not isinstance(kind, str) or kind not in RESPONSE_FORMATS:
+            raise ParameterError(".type", f"expected one of {', '.join(RESPONSE_FORMATS)}, got {shown(kind)}")
         key = RESPONSE_FORMATS[kind]
         if kind == "json_schema":
             spec = value.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-                raise ValueError("json_schema needs a 'json_schema' object with a 'name' (and a 'schema')")
+            if not isinstance(spec, dict):
+                raise ParameterError(".json_schema", "expected an object with a 'name' (and a 'schema')")
+            if not isinstance(spec.get("name"), str):
+                raise ParameterError(".json_schema.name", "expected a string")
+            if spec.get("schema") is not None and not isinstance(spec["schema"], dict):
+                raise ParameterError(".json_schema.schema", "expected a JSON Schema object")
         elif key is not None and not isinstance(value.get(key), str):
-            raise ValueError(f"{kind} needs a string '{key}'")
+            raise ParameterError(f".{key}", f"{kind} needs a string '{key}'")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _boolean_switches(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in THINKING_SWITCHES:
+            if value is not None and key in value and not isinstance(value[key], bool):
+                raise ParameterError(f".{key}", f"expected true or false, got {shown(value[key])}")
         return value
 
     def tool_choice_problem(self) -> str | None:
@@ -231,7 +402,7 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(choice, dict):
             name = choice["function"]["name"]
             if all(tool["function"]["name"] != name for tool in self.tools):
-                return f"tool_choice names the function {name!r}, which is not in tools"
+                return f"tool_choice names the function {shown(name)}, which is not in tools"
         return None
 
     @model_validator(mode="after")
@@ -242,14 +413,16 @@ class ChatCompletionRequest(_Sampling):
             raise UnsupportedParameter("functions", "the deprecated functions API is not supported; use tools")
         if self.function_call not in (None, "none", "auto"):
             raise UnsupportedParameter("function_call", "the deprecated functions API is not supported; use tools")
-        if self.modalities not in (None, ["text"]):
-            raise UnsupportedParameter("modalities", "only the text modality is supported")
+        if self.modalities and "audio" in self.modalities:
+            raise UnsupportedParameter("modalities", "audio output is not supported; only text is")
         if self.audio:
             raise UnsupportedParameter("audio", "audio output is not supported")
         if self.prediction:
             raise UnsupportedParameter("prediction", "predicted outputs are not supported")
         if self.web_search_options is not None:
             raise UnsupportedParameter("web_search_options", "web search is not supported")
+        if self.moderation is not None:
+            raise UnsupportedParameter("moderation", "moderation is not supported")
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise UnsupportedParameter("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
@@ -263,8 +436,12 @@ TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    null_means_default: ClassVar[frozenset[str]] = frozenset({"stream", "n", "echo", "max_tokens"})
+
+    prompt: str | list[str] | TokenIds | list[Annotated[TokenIds, Field(min_length=1)]] | None = Field(
+        description="null is OpenAI's default, the start of a document: generation from an empty prompt"
+    )
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT, description="0 with echo: score the prompt only")
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
@@ -277,12 +454,14 @@ class CompletionRequest(_Sampling):
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedParameter("best_of", "best_of other than n is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise UnsupportedParameter("prompt", "the prompt list is empty")
+            raise EmptyArray("prompt", "the prompt list is empty")
         return self
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
         prompt = self.prompt
+        if prompt is None:
+            return [""]
         if isinstance(prompt, str):
             return [prompt]
         if all(isinstance(p, int) for p in prompt):

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from backends.interface import Delta, Finish, PromptEcho, TokenLogprob, ToolCallDelta, Usage
+from backends.interface import Delta, Finish, PromptEcho, PromptToken, TokenLogprob, ToolCallDelta, Usage
 from gateway.errors import APIError, error_payload
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -189,18 +189,46 @@ class CompletionFormat(SSEFormat):
         self._logprobs: list[dict[str, list[Any]] | None] = [None] * choices
         self._finish: list[str] = ["stop"] * choices
 
-    def _logprob_block(self, index: int, text_start: int, entries: Sequence[TokenLogprob]) -> dict[str, list[Any]]:
+    @staticmethod
+    def _logprob_block(
+        text_start: int, entries: Sequence[TokenLogprob], *, advance: bool = True
+    ) -> dict[str, list[Any]]:
+        """Legacy logprobs: ``top_logprobs`` always hold the chosen token (up to ``logprobs + 1`` entries)."""
         offsets = []
+        tops = []
         offset = text_start
         for e in entries:
             offsets.append(offset)
-            offset += len(e.token)
+            if advance:
+                offset += len(e.token)
+            top = {t.token: t.logprob for t in e.top}
+            top.setdefault(e.token, e.logprob)
+            tops.append(top)
         return {
             "tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+    @staticmethod
+    def _prompt_block(text_start: int, entries: Sequence[PromptToken]) -> dict[str, list[Any]]:
+        """The echoed prompt's logprobs: null for the first token; the engine gives no alternatives for the rest."""
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.logprob is None else {e.token: e.logprob} for e in entries],
+            "text_offset": [text_start + e.offset for e in entries],
+        }
+
+    def _event_block(self, event: Delta | Finish | PromptEcho) -> dict[str, list[Any]] | None:
+        """The logprob block an event adds to its choice, at the choice's current text offset."""
+        start = self._offsets[event.index]
+        if isinstance(event, PromptEcho):
+            return self._prompt_block(start, event.logprobs) if event.logprobs is not None else None
+        if isinstance(event, Finish):  # the EOS: listed, but it adds no text
+            return self._logprob_block(start, event.logprobs, advance=False) if event.logprobs else None
+        return self._logprob_block(start, event.logprobs) if event.logprobs else None
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -214,15 +242,14 @@ class CompletionFormat(SSEFormat):
 
     def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None:
         index = event.index
+        logprobs = self._event_block(event)
         if isinstance(event, Delta | PromptEcho):
-            logprobs = None
-            if isinstance(event, Delta) and event.logprobs:
-                logprobs = self._logprob_block(index, self._offsets[index], event.logprobs)
             self._offsets[index] += len(event.text)
             choice = {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}
             return sse_frame(self._chunk(choice))
         if isinstance(event, Finish):
-            return sse_frame(self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": event.reason}))
+            choice = {"index": index, "text": "", "logprobs": logprobs, "finish_reason": event.reason}
+            return sse_frame(self._chunk(choice))
         return None
 
     def usage_frame(self, usage: Usage) -> bytes:
@@ -233,15 +260,15 @@ class CompletionFormat(SSEFormat):
 
     def add(self, event: Delta | Finish | PromptEcho) -> None:
         index = event.index
+        block = self._event_block(event)
+        if block is not None:
+            collected = self._logprobs[index]
+            if collected is None:
+                self._logprobs[index] = block
+            else:
+                for key, values in block.items():
+                    collected[key].extend(values)
         if isinstance(event, Delta | PromptEcho):
-            if isinstance(event, Delta) and event.logprobs:
-                block = self._logprob_block(index, self._offsets[index], event.logprobs)
-                collected = self._logprobs[index]
-                if collected is None:
-                    self._logprobs[index] = block
-                else:
-                    for key, values in block.items():
-                        collected[key].extend(values)
             self._texts[index].append(event.text)
             self._offsets[index] += len(event.text)
         elif isinstance(event, Finish):

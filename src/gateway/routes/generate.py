@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from backends.interface import Backend, Event, GenerateRequest
+from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
 from gateway.limits import Admission
 from gateway.metrics import RequestObserver
@@ -20,7 +21,7 @@ from gateway.routing.stream import RoutedStream
 from gateway.state import GatewayState, gateway_state
 from gateway.streaming import Timeouts, merge_prompts, stream_response, whole_response
 
-router = APIRouter(tags=["generation"])
+router = APIRouter(tags=["generation"], route_class=OffloadedJSONRoute)  # 7 MiB bodies are parsed off the loop
 
 MAX_PROMPTS = 64
 
@@ -141,8 +142,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = body.prompts()
     if len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts are allowed in one request.", param="prompt")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported yet.", param="echo")
     reserve = body.max_tokens * len(prompts) * body.n if body.max_tokens is not None else None
     admission = await _admit_client(request, state, reserve)
     sampling = body.sampling_options(

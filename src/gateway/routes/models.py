@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from backends.errors import ModelNotFoundError
+from gateway.errors import model_not_found
 from gateway.state import GatewayState, gateway_state
 
 router = APIRouter(tags=["models"])
@@ -34,5 +34,5 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     state = gateway_state(request)
     if model_id not in state.router.model_names:
-        raise ModelNotFoundError(f"The model '{model_id}' does not exist or you do not have access to it.")
+        raise model_not_found(model_id)
     return _model_card(state, model_id)

@@ -6,9 +6,10 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
+from gateway.metrics import exposition
 from gateway.state import gateway_state
 
 router = APIRouter(tags=["operations"])
@@ -49,4 +50,4 @@ async def ready(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     registry = gateway_state(request).metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)

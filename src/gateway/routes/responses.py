@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from backends.errors import InvalidRequestError
 from backends.interface import GenerateRequest
+from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
 from gateway.openai.responses_api import (
     CreateResponseRequest,
@@ -30,7 +31,7 @@ from gateway.response_store import StoredResponse, StoredResponses
 from gateway.routes.generate import _admit_client, _respond
 from gateway.state import GatewayState, gateway_state
 
-router = APIRouter(tags=["responses"])
+router = APIRouter(tags=["responses"], route_class=OffloadedJSONRoute)  # large inputs are parsed off the loop
 
 
 def _stored(state: GatewayState) -> StoredResponses:

@@ -102,6 +102,19 @@ def test_logprobs_come_from_the_engine_outputs(client: openai.OpenAI) -> None:
     assert all(len(entry.top_logprobs) == 2 for entry in content)
 
 
+def test_prompt_logprobs_come_from_get_prompt_logprobs(client: openai.OpenAI) -> None:
+    prompt = [0, 300, 301, 302, 303]
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    logprobs = scored.choices[0].logprobs
+    assert logprobs is not None and scored.usage is not None and scored.usage.completion_tokens == 0
+    assert logprobs.token_logprobs == [None, -0.125, -0.25, -0.375, -0.5]  # the double's pattern, by position
+    both = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, echo=True, logprobs=1, extra_body={"ignore_eos": True}
+    )
+    assert both.choices[0].logprobs is not None
+    assert both.choices[0].logprobs.token_logprobs == [None, -0.125, -0.25, -0.375, -0.5, -0.25, -0.5]
+
+
 def test_stop_string_ends_the_stream_and_aborts_the_engine_request(
     served: RunningGateway, client: openai.OpenAI
 ) -> None:

@@ -494,6 +494,77 @@ def test_tool_results_sort_against_the_preceding_assistant_only() -> None:
     )
 
 
+def test_calls_without_an_id_do_not_place_results_and_a_repeated_id_places_by_its_last_call() -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [call("a", "f", "{}"), call("", "f", "{}"), call("b", "f", "{}"), call("a", "f", "{}")],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "RA"},
+        {"role": "tool", "content": "R-none"},
+        {"role": "tool", "tool_call_id": "b", "content": "RB"},
+    ]
+    # ids: a -> 3 (its last call), b -> 2; a result without an id sorts as position 0
+    assert encode_messages(messages, thinking=False).endswith(
+        "<｜User｜><tool_result>R-none</tool_result>\n\n<tool_result>RB</tool_result>\n\n"
+        "<tool_result>RA</tool_result><｜Assistant｜></think>"
+    )
+    messages[1]["tool_calls"] = [call("a", "f", "{}"), call("", "f", "{}")]
+    messages[2:] = [{"role": "tool", "content": "R-none"}, {"role": "tool", "tool_call_id": "a", "content": "RA"}]
+    # the result without an id does not take the id-less call's place: both sort as position 0, in message order
+    assert encode_messages(messages, thinking=False).endswith(
+        "<｜User｜><tool_result>R-none</tool_result>\n\n<tool_result>RA</tool_result><｜Assistant｜></think>"
+    )
+
+
+def test_call_id_may_sit_on_the_function_object() -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"id": "x", "name": "f", "arguments": "{}"}},
+                {"type": "function", "function": {"id": "y", "name": "f", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "y", "content": "RY"},
+        {"role": "tool", "tool_call_id": "x", "content": "RX"},
+    ]
+    assert encode_messages(messages, thinking=False).endswith(
+        "<tool_result>RX</tool_result>\n\n<tool_result>RY</tool_result><｜Assistant｜></think>"
+    )
+
+
+def test_orphaned_results_after_a_reply_without_calls_sort_by_the_last_calls() -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call("a", "f", "{}"), call("b", "f", "{}")]},
+        {"role": "tool", "tool_call_id": "a", "content": "RA"},
+        {"role": "assistant", "content": "meanwhile"},
+        {"role": "tool", "tool_call_id": "b", "content": "RB"},
+        {"role": "tool", "tool_call_id": "a", "content": "RA2"},
+    ]
+    assert encode_messages(messages, thinking=False).endswith(
+        "meanwhile" + E + "<｜User｜><tool_result>RA2</tool_result>\n\n<tool_result>RB</tool_result>"
+        "<｜Assistant｜></think>"
+    )
+
+
+def test_null_tool_content_renders_as_deepseeks_encoder_prints_it() -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call("a", "f", "{}"), call("b", "f", "{}")]},
+        {"role": "tool", "tool_call_id": "a", "content": None},
+        {"role": "tool", "tool_call_id": "b"},
+    ]
+    assert encode_messages(messages, thinking=False).endswith(
+        "<｜User｜><tool_result>None</tool_result>\n\n<tool_result></tool_result><｜Assistant｜></think>"
+    )
+
+
 def test_tool_result_list_content_is_flattened() -> None:
     messages = [
         {"role": "user", "content": "go"},
@@ -674,10 +745,13 @@ def test_unknown_role_raises_value_error() -> None:
         encode_messages([{"role": "function", "content": "x"}], thinking=False)
 
 
-@pytest.mark.parametrize("content", ["", None, []])
-def test_developer_message_with_empty_content_raises_value_error(content: object) -> None:
-    with pytest.raises(ValueError, match="developer message with empty content"):
-        encode_messages([{"role": "developer", "content": content}], thinking=False)
+def test_developer_message_without_content_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="developer message without content"):
+        encode_messages([{"role": "developer", "content": None}], thinking=False)
+
+
+def test_developer_message_with_empty_text_is_encoded_like_an_empty_system_message() -> None:
+    assert encode_messages([{"role": "developer", "content": ""}], thinking=False)
 
 
 def test_developer_message_renders_as_user_turn() -> None:
@@ -696,13 +770,15 @@ def test_reasoning_field_is_used_as_reasoning_content() -> None:
     assert prompt.endswith("<｜Assistant｜><think>r</think>B" + E)
 
 
-def test_reasoning_content_wins_over_reasoning_alias() -> None:
+def test_reasoning_alias_wins_over_reasoning_content_as_in_deepseeks_wrapper() -> None:
     messages = [
         {"role": "user", "content": "A"},
-        {"role": "assistant", "content": "B", "reasoning": "alias", "reasoning_content": "real"},
+        {"role": "assistant", "content": "B", "reasoning": "alias", "reasoning_content": "other"},
     ]
     prompt = encode_messages(messages, thinking=True, add_generation_prompt=False)
-    assert prompt.endswith("<think>real</think>B" + E)
+    assert prompt.endswith("<think>alias</think>B" + E)
+    messages[1]["reasoning"] = None  # a null alias does not erase the reasoning the client sent
+    assert encode_messages(messages, thinking=True, add_generation_prompt=False).endswith("<think>other</think>B" + E)
 
 
 # --- latest_reminder ------------------------------------------------------------------------------------

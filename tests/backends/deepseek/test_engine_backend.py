@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
 from backends.engine.backend import EngineBackend
@@ -45,11 +46,23 @@ CALL_BLOCK = (
 )
 
 
+def markers_made_special(tokenizer: Tokenizer) -> Tokenizer:
+    """The reference tokenizer with ``<think>``, ``</think>`` and ``｜DSML｜`` flagged as special tokens, as a
+    V4.1 tokenizer may flag them (the reference tokenizer does not)."""
+    document = json.loads(tokenizer.to_str())
+    for token in document["added_tokens"]:
+        if token["content"] in ("<think>", "</think>", "｜DSML｜"):
+            token["special"] = True
+    return Tokenizer.from_str(json.dumps(document))
+
+
 class ScriptedEngine:
     """Replays one scripted completion per request, ``per_step`` tokens per ``step()``, then EOS."""
 
-    def __init__(self, artifacts: ReferenceArtifacts, completion: str, per_step: int) -> None:
-        self.tokenizer = artifacts.tokenizer
+    def __init__(
+        self, artifacts: ReferenceArtifacts, completion: str, per_step: int, tokenizer: Tokenizer | None = None
+    ) -> None:
+        self.tokenizer = tokenizer or artifacts.tokenizer
         self.vocab_size = artifacts.model.vocab_size
         self.max_model_len = 4096
         self.script = [*self.tokenizer.encode(completion, add_special_tokens=False).ids, EOS_TOKEN_ID]
@@ -107,9 +120,14 @@ class ScriptedEngine:
 
 
 async def run(
-    artifacts: ReferenceArtifacts, completion: str, *, per_step: int = 3, **fields: Any
+    artifacts: ReferenceArtifacts,
+    completion: str,
+    *,
+    per_step: int = 3,
+    tokenizer: Tokenizer | None = None,
+    **fields: Any,
 ) -> tuple[list[Event], ScriptedEngine]:
-    engine = ScriptedEngine(artifacts, completion, per_step)
+    engine = ScriptedEngine(artifacts, completion, per_step, tokenizer)
     backend = EngineBackend("scripted", "scripted", lambda: engine, DeepSeekV41ChatTemplate())
     await backend.start()
     try:
@@ -161,6 +179,29 @@ async def test_parallel_tool_calls_come_out_as_openai_calls_with_finish_reason_t
     assert [json.loads(c["arguments"]) for c in out["calls"]] == [{"city": "Paris", "days": 2}, {"city": "Oslo"}]
     assert all(c["id"].startswith("call_") for c in out["calls"]) and out["calls"][0]["id"] != out["calls"][1]["id"]
     assert out["finish"] == "tool_calls"
+
+
+@pytest.mark.parametrize("per_step", [1, 4])
+async def test_markers_flagged_special_by_the_tokenizer_still_reach_the_parser(
+    artifacts: ReferenceArtifacts, per_step: int
+) -> None:
+    tokenizer = markers_made_special(artifacts.tokenizer)
+    think_end = tokenizer.token_to_id("</think>")
+    assert tokenizer.get_added_tokens_decoder()[think_end].special
+    completion = "Look it up.</think>" + CALL_BLOCK
+    events, _ = await run(
+        artifacts, completion, per_step=per_step, tokenizer=tokenizer, tools=[WEATHER], reasoning_effort="low"
+    )
+    out = assemble(events)
+    assert out["reasoning"] == "Look it up." and out["content"] == ""
+    assert [json.loads(c["arguments"]) for c in out["calls"]] == [{"city": "Paris", "days": 2}, {"city": "Oslo"}]
+    assert out["finish"] == "tool_calls"
+
+
+async def test_other_special_tokens_are_still_dropped_from_the_text(artifacts: ReferenceArtifacts) -> None:
+    tokenizer = markers_made_special(artifacts.tokenizer)
+    events, _ = await run(artifacts, "Hello<｜User｜> there<｜▁pad▁｜>.", tokenizer=tokenizer)
+    assert assemble(events)["content"] == "Hello there."
 
 
 async def test_thinking_output_splits_into_reasoning_then_content_and_counts_reasoning_tokens(

@@ -10,10 +10,20 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backends.deepseek.arguments import arguments_json
 from backends.deepseek.encoding import ToolCall, render_tool_calls
-from backends.deepseek.parser import DeepSeekV41OutputParser, ParsedText, arguments_json, tool_properties
+from backends.deepseek.parser import DeepSeekV41OutputParser, ParsedText, tool_schemas
 
-WEATHER = {"get_weather": frozenset({"city", "days"}), "f": frozenset({"q", "n", "o"})}
+WEATHER_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+}
+F_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"q": {"type": "string"}, "n": {"type": "array"}, "o": {"type": "object"}},
+}
+WEATHER: dict[str, Any] = {"get_weather": WEATHER_PARAMETERS, "f": F_PARAMETERS}
 
 # Literal DSML, deliberately not built from the module's constants.
 CALLS_OPEN = "<｜DSML｜ calls>"
@@ -58,7 +68,7 @@ def parse(
     chunks: Sequence[str],
     *,
     in_reasoning: bool = False,
-    tools: dict[str, frozenset[str]] | None = WEATHER,
+    tools: dict[str, Any] | None = WEATHER,
     max_calls: int | None = None,
     literal_content: bool = False,
 ) -> Result:
@@ -148,7 +158,7 @@ def test_unwrap_rule_replaces_undeclared_arguments_wrapper_with_its_object() -> 
 
 
 def test_unwrap_rule_keeps_wrapper_when_declared_or_keys_unknown_or_tool_unknown() -> None:
-    declared = frozenset({"arguments", "city"})
+    declared = {"type": "object", "properties": {"arguments": {"type": "object"}, "city": {"type": "string"}}}
     wrapped = param("arguments", '{"city": "Rome"}', False)
     assert json.loads(arguments_json(wrapped, declared)) == {"arguments": {"city": "Rome"}}
     unknown_keys = param("arguments", '{"town": "Rome"}', False)
@@ -181,11 +191,28 @@ def test_whitespace_only_content_is_kept_when_no_call_follows() -> None:
     assert parse(["\n\n  "]).content == "\n\n  "
 
 
-def test_unterminated_call_at_the_end_keeps_its_complete_parameters() -> None:
+def test_unterminated_call_at_the_end_keeps_only_its_complete_parameters() -> None:
     text = CALLS_OPEN + invoke("get_weather", param("city", "Paris"))[: -len("\n</｜DSML｜ invoke>")]
-    text += '\n<｜DSML｜ parameter name="days" string="false">1'
+    for cut in ('\n<｜DSML｜ parameter name="days" string="false">1', '\n<｜DSML｜ parameter name="da', "\n<"):
+        result = parse([text + cut])
+        assert result.calls == [{"id": "call_0", "name": "get_weather", "arguments": '{"city": "Paris"}'}]
+
+
+def test_value_cut_inside_its_closing_tag_is_dropped_not_handed_over_with_markup() -> None:
+    head = CALLS_OPEN + '\n<｜DSML｜ invoke name="get_weather">\n<｜DSML｜ parameter name="city" string="true">London'
+    for cut in ("</｜DSML｜ parameter", "</｜DSML｜", "<", ""):
+        assert parse([head + cut]).calls == [{"id": "call_0", "name": "get_weather", "arguments": "{}"}]
+
+
+def test_call_names_are_stripped_and_nameless_calls_dropped() -> None:
+    text = CALLS_OPEN + invoke(" get_weather\n", param("city", "Oslo")) + invoke("  ", param("q", "x"))
+    text += invoke("f", param("q", "y")) + CALLS_CLOSE
     result = parse([text])
-    assert json.loads(result.calls[0]["arguments"]) == {"city": "Paris", "days": 1}
+    assert [(c["id"], c["name"], c["arguments"]) for c in result.calls] == [
+        ("call_0", "get_weather", '{"city": "Oslo"}'),
+        ("call_1", "f", '{"q": "y"}'),
+    ]
+    assert parse([CALLS_OPEN + invoke("", param("q", "x")) + CALLS_CLOSE]).as_tuple() == ("", "", [], False)
 
 
 def test_call_whose_name_never_finished_is_not_emitted() -> None:
@@ -196,6 +223,14 @@ def test_call_whose_name_never_finished_is_not_emitted() -> None:
 def test_partial_tag_at_the_end_is_released_as_text() -> None:
     assert parse(["answer <thi"]).content == "answer <thi"
     assert parse(["reason </thin"], in_reasoning=True).reasoning == "reason </thin"
+
+
+def test_call_block_cut_inside_its_opening_tag_leaves_no_markup() -> None:
+    for cut in ("<｜", "<｜DSML", "<｜DSML｜ cal"):
+        assert parse(["answer\n\n" + cut]).as_tuple() == ("", "answer\n\n", [], False)
+        assert parse(["thinking " + cut], in_reasoning=True).reasoning == "thinking "
+    assert parse(["answer <"]).content == "answer <"
+    assert parse(["answer <｜DSML"], tools=None).content == "answer <｜DSML"  # without tools it is text
 
 
 def test_text_without_a_tag_start_passes_straight_through() -> None:
@@ -211,12 +246,13 @@ def test_held_tag_prefix_is_released_once_it_cannot_be_a_tag() -> None:
     assert parser.push("ings") == ParsedText("", "<things", ())
 
 
-def test_tool_properties_reads_declared_parameter_names() -> None:
+def test_tool_schemas_reads_each_tools_parameters() -> None:
+    a = {"type": "object", "properties": {"x": {}}}
     tools = [
-        {"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {"x": {}}}}},
+        {"type": "function", "function": {"name": "a", "parameters": a}},
         {"type": "function", "function": {"name": "b"}},
     ]
-    assert tool_properties(tools) == {"a": frozenset({"x"}), "b": frozenset()}
+    assert tool_schemas(tools) == {"a": a, "b": {}}
 
 
 # ---- property-based: any chunking gives the result of one chunk ----------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -47,6 +49,18 @@ def test_special_tokens_are_skipped_but_think_tags_are_kept(table: TokenTable) -
     think = tokenizer.token_to_id("<think>")
     ids = [bos, *tokenizer.encode("hi", add_special_tokens=False).ids, think, eos]
     assert "".join(decode_in_steps(table, ids, [1] * len(ids))) == "hi<think>"
+
+
+def test_special_tokens_that_are_part_of_a_marker_are_kept() -> None:
+    tokenizer = load_or_build().tokenizer
+    document = json.loads(tokenizer.to_str())
+    for token in document["added_tokens"]:
+        token["special"] = token["special"] or token["content"] in ("<think>", "</think>")
+    special = Tokenizer.from_str(json.dumps(document))
+    ids = [0, *special.encode("a<think>b</think>c", add_special_tokens=False).ids, 1]
+    assert "".join(decode_in_steps(TokenTable(special), ids, [1] * len(ids))) == "abc"
+    kept = TokenTable(special, markers=("<think>", "</think>"))
+    assert "".join(decode_in_steps(kept, ids, [1] * len(ids))) == "a<think>b</think>c"
 
 
 @settings(max_examples=60, deadline=None)

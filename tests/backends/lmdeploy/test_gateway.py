@@ -175,11 +175,24 @@ def test_parameters_lmdeploy_cannot_honour_are_a_400_naming_them(http: httpx.Cli
         ({"messages": messages("x"), "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "x", "seed": 1}, "seed"),
         ({"prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 1}, "echo"),  # no prompt logprobs upstream
+        ({"prompt": "x", "echo": True, "max_tokens": 0}, "max_tokens"),
     ):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         response = http.post(path, json={"model": PUBLIC_MODEL, **body})
         assert response.status_code == 400, (body, response.text)
         assert response.json()["error"]["param"] == param
+
+
+def test_tokenizer_endpoints_say_lmdeploy_backends_do_not_expose_their_tokenizer(http: httpx.Client) -> None:
+    for method, path, body in (
+        ("POST", "/tokenize", {"prompt": "x"}),
+        ("POST", "/detokenize", {"tokens": [1]}),
+        ("GET", "/tokenizer_info", None),
+    ):
+        response = http.request(method, path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["error"]["param"] == "model" and "lmdeploy" in response.json()["error"]["message"]
 
 
 def test_wrong_upstream_key_is_a_502_for_the_client(node: HarnessNode) -> None:

@@ -367,3 +367,25 @@ def test_close_drops_everything(make_engine: MakeEngine, artifacts: ReferenceArt
     assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
     with pytest.raises(RuntimeError):
         engine.add_request("u", "s", None, chat_prompt(artifacts))
+
+
+def test_prompt_logprobs_of_a_sampled_continuation_are_the_logprobs_it_was_sampled_with(
+    make_engine: MakeEngine, artifacts: ReferenceArtifacts
+) -> None:
+    """At temperature 1 (no top-k/top-p) sampling draws from the model itself, so scoring what it drew agrees,
+    including across the reasoning -> answer switch of a thinking prompt."""
+    engine = make_engine()
+    prompt = thinking_prompt(artifacts)
+    params = {"temperature": 1.0, "max_tokens": 96, "seq_seed": 5, "ignore_eos": True}
+    engine.add_request("u", "sample", params, prompt)
+    sampled = run(engine)["sample"]
+    assert all(o.prompt_logprobs is None for o in sampled)  # nobody asked
+    think_end = artifacts.tokenizer.token_to_id("</think>")
+    assert think_end in tokens(sampled)  # the continuation leaves the reasoning region
+    scored_prompt = np.concatenate([prompt, np.array(tokens(sampled), dtype=np.int32)])
+    engine.add_request("u", "score", {"prompt_logprobs": True, "max_tokens": 1}, scored_prompt)
+    scored = run(engine)["score"]
+    values = scored[0].prompt_logprobs
+    assert values is not None and len(values) == scored_prompt.size - 1  # DeepInfer: prompt_len - 1 floats
+    assert values[-len(sampled) :] == pytest.approx([o.token_logprob for o in sampled], abs=1e-9)
+    assert all(o.prompt_logprobs is None for o in scored[1:])  # only on the prompt step's output

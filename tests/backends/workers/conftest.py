@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,8 +19,48 @@ from gateway.config import GatewayConfig
 from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
 
 STEP = {"decode_seconds_per_step": 0.01}  # requests last long enough to overlap, and tests stay fast
-RESTART_BACKOFF = 3.0
-"""Long enough that a test reliably sees a killed rank's degraded state before the rank comes back."""
+RESTART_BACKOFF = 1.0
+"""Long enough that two ranks killed one after the other fail inside one backoff window."""
+
+
+class HoldableClock:
+    """A test double of the supervisor's ``Clock``: the event loop's own time and timers, except that a timer coming
+    due while the clock is held runs only at ``release``. Restarts then happen later than the backoff, never
+    earlier, so a test can look at a degraded state without racing the restart."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held = False
+        self._waiting: list[Callable[[], object]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def time(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> asyncio.TimerHandle:
+        self._loop = loop = asyncio.get_running_loop()
+        return loop.call_at(when, self._fire, callback)
+
+    def _fire(self, callback: Callable[[], object]) -> None:
+        with self._lock:
+            if self._held:
+                self._waiting.append(callback)
+                return
+        callback()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held = False
+                waiting, self._waiting = self._waiting, []
+            for callback in waiting:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(callback)
 
 
 def start_data_parallel_gateway(backends: list[dict[str, object]]) -> RunningGateway:
@@ -27,6 +69,7 @@ def start_data_parallel_gateway(backends: list[dict[str, object]]) -> RunningGat
     for backend_config in config.backends:
         backend = build_backend(backend_config)
         backend.driver.plan.restart_backoff = RESTART_BACKOFF  # type: ignore[attr-defined]
+        backend.driver.clock = HoldableClock()  # type: ignore[attr-defined]
         built[backend_config.name] = admitted(backend, backend_config)
     return start_gateway(config, backends=built, ready_timeout=60)
 
@@ -52,6 +95,12 @@ def http(dp_gateway: RunningGateway) -> Iterator[httpx.Client]:
 
 def driver_of(gateway: RunningGateway, backend: str) -> DataParallelDriver:
     return gateway.state.backends[backend].driver  # type: ignore[attr-defined,no-any-return]
+
+
+def clock_of(gateway: RunningGateway, backend: str) -> HoldableClock:
+    clock = driver_of(gateway, backend).clock
+    assert isinstance(clock, HoldableClock)
+    return clock
 
 
 def worker_pids(parent: int) -> set[int]:

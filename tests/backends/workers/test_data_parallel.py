@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 
 from ...conftest import RunningGateway, wait_until
-from .conftest import chat, driver_of, holding_rank, open_stream, steps
+from .conftest import chat, clock_of, driver_of, holding_rank, open_stream, steps
 
 
 def complete_ids(http: httpx.Client, model: str, ids: list[int]) -> None:
@@ -128,31 +128,51 @@ def test_killed_worker_fails_its_requests_cleanly_and_comes_back(
     dp_gateway: RunningGateway, http: httpx.Client
 ) -> None:
     driver = driver_of(dp_gateway, "dp")
-    with open_stream(http, "dp", 2000) as stream:
-        next(stream)
-        victim = driver.ranks[holding_rank(dp_gateway, "dp")]
-        assert victim.process is not None
-        old_pid = victim.process.pid
-        os.kill(old_pid, signal.SIGKILL)
-        rest = list(stream)
-    error = orjson.loads(rest[-2])["error"]
-    assert rest[-1] == "[DONE]"
-    assert f"data-parallel rank {victim.index}" in error["message"]
-    assert "SIGKILL" in error["message"]
+    with clock_of(dp_gateway, "dp").held():  # the restart waits until the degraded state was looked at
+        with open_stream(http, "dp", 2000) as stream:
+            next(stream)
+            victim = driver.ranks[holding_rank(dp_gateway, "dp")]
+            assert victim.process is not None
+            old_pid = victim.process.pid
+            restarts = victim.restarts
+            os.kill(old_pid, signal.SIGKILL)
+            rest = list(stream)
+        error = orjson.loads(rest[-2])["error"]
+        assert rest[-1] == "[DONE]"
+        assert f"data-parallel rank {victim.index}" in error["message"]
+        assert "SIGKILL" in error["message"]
 
-    # Degraded, still ready, and the other rank keeps serving while the victim waits out its backoff.
-    assert wait_until(lambda: http.get("/ready").json()["backends"]["dp"]["reason"].startswith("1/2 ranks up"))
-    before = dispatched(dp_gateway, "dp")
-    chat(http, "dp", "served while degraded", 3)
-    assert delta(dispatched(dp_gateway, "dp"), before)[victim.index] == 0
+        # Degraded, still ready, and the other rank keeps serving while the victim waits out its backoff.
+        assert wait_until(lambda: http.get("/ready").json()["backends"]["dp"]["reason"].startswith("1/2 ranks up"))
+        before = dispatched(dp_gateway, "dp")
+        chat(http, "dp", "served while degraded", 3)
+        assert delta(dispatched(dp_gateway, "dp"), before)[victim.index] == 0
 
     assert wait_until(lambda: victim.state == "up", timeout=30)
     assert victim.process is not None and victim.process.pid != old_pid
-    assert victim.restarts == 1
+    assert victim.restarts == restarts + 1
     before = dispatched(dp_gateway, "dp")
     for i in range(2):  # equal loads alternate ranks: one of these is served by the restarted rank
         chat(http, "dp", f"after the restart {i}", 3)
     assert delta(dispatched(dp_gateway, "dp"), before)[victim.index] == 1
+
+
+def test_two_ranks_killed_in_one_backoff_window_both_come_back(dp_gateway: RunningGateway, http: httpx.Client) -> None:
+    driver = driver_of(dp_gateway, "dp")
+    assert wait_until(lambda: all(r.state == "up" for r in driver.ranks), timeout=30)
+    launches = [r.launches for r in driver.ranks]
+    processes = [r.process for r in driver.ranks]
+    for process in processes:  # one after the other, well inside the first one's backoff (RESTART_BACKOFF)
+        assert process is not None
+        os.kill(process.pid, signal.SIGKILL)
+    assert wait_until(
+        lambda: [(r.state, r.launches) for r in driver.ranks] == [("up", n + 1) for n in launches], timeout=30
+    )
+    assert not {p.pid for p in processes if p is not None} & {r.pid for r in driver.ranks}
+    before = dispatched(dp_gateway, "dp")
+    for i in range(2):
+        chat(http, "dp", f"both are back {i}", 3)
+    assert delta(dispatched(dp_gateway, "dp"), before) == [1, 1]
 
 
 # ---- lockstep ----------------------------------------------------------------------------------------------------
@@ -189,18 +209,31 @@ def test_lockstep_abort_mid_stream_leaves_the_group_serving(dp_gateway: RunningG
 
 def test_lockstep_rank_death_restarts_the_whole_group(dp_gateway: RunningGateway, http: httpx.Client) -> None:
     driver = driver_of(dp_gateway, "lockstep")
-    with open_stream(http, "lockstep", 2000) as stream:
-        next(stream)
-        busy = holding_rank(dp_gateway, "lockstep")
-        old_pids = [r.process.pid for r in driver.ranks if r.process is not None]
-        idle = next(r for r in driver.ranks if r.index != busy)
-        assert idle.process is not None
-        os.kill(idle.process.pid, signal.SIGKILL)  # an idle rank dies: the busy one is stuck in a collective
-        rest = list(stream)
-    error = orjson.loads(rest[-2])["error"]
-    assert "lockstep group restart" in error["message"]
-    assert wait_until(lambda: http.get("/ready").json()["backends"]["lockstep"]["ready"] is False)
+    with clock_of(dp_gateway, "lockstep").held():
+        with open_stream(http, "lockstep", 2000) as stream:
+            next(stream)
+            busy = holding_rank(dp_gateway, "lockstep")
+            old_pids = [r.process.pid for r in driver.ranks if r.process is not None]
+            idle = next(r for r in driver.ranks if r.index != busy)
+            assert idle.process is not None
+            os.kill(idle.process.pid, signal.SIGKILL)  # an idle rank dies: the busy one is stuck in a collective
+            rest = list(stream)
+        error = orjson.loads(rest[-2])["error"]
+        assert "lockstep group restart" in error["message"]
+        assert wait_until(lambda: http.get("/ready").json()["backends"]["lockstep"]["ready"] is False)
     assert wait_until(lambda: all(r.state == "up" for r in driver.ranks), timeout=30)
     new_pids = [r.process.pid for r in driver.ranks if r.process is not None]
     assert len(new_pids) == 3 and not set(new_pids) & set(old_pids)
     assert chat(http, "lockstep", "the group is back", 5)["choices"][0]["finish_reason"] == "length"
+
+
+def test_prompt_scoring_and_tokenizing_work_through_rank_workers(http: httpx.Client) -> None:
+    """Prompt logprobs cross the worker wire with the first output; the dispatcher's tokenizer serves /tokenize."""
+    tokens = http.post("/tokenize", json={"model": "dp", "prompt": "Return the value"}).json()["tokens"]
+    for model in ("dp", "lockstep"):
+        body = {"model": model, "prompt": tokens, "max_tokens": 0, "echo": True, "logprobs": 0}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        logprobs = response.json()["choices"][0]["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(tokens) and logprobs["token_logprobs"][0] is None
+        assert all(isinstance(v, float) and v <= 0.0 for v in logprobs["token_logprobs"][1:])

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket as socketlib
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -15,13 +16,13 @@ import pytest
 from backends.config import ReferenceBackendConfig
 from backends.errors import BackendError
 from backends.interface import GenerateRequest, SamplingOptions
-from backends.reference.backend import build_reference_backend
+from backends.reference.backend import build_reference_backend, load_tokenizer
 from backends.workers.backend import DataParallelBackend
-from backends.workers.driver import _free_port
+from backends.workers.driver import DataParallelDriver, WorkerPlan, _free_port
 from backends.workers.worker import WorkerSpec
 
 from ...conftest import wait_until
-from .conftest import driver_of, start_data_parallel_gateway, stop_gateway, worker_pids
+from .conftest import clock_of, driver_of, start_data_parallel_gateway, stop_gateway, worker_pids
 
 
 async def first_event_then_rest(backend: DataParallelBackend, request_id: str, started: asyncio.Event) -> object:
@@ -119,3 +120,70 @@ def test_remote_ranks_serve_survive_a_restart_and_outlive_the_gateway(
         stop_gateway(gateway)
     # The gateway neither started nor stops remote ranks: they wait for the next dispatcher.
     assert all(w.poll() is None for w in workers)
+
+
+# ---- local ranks over TCP: a fresh port at each launch ------------------------------------------------------------
+
+
+def test_a_tcp_rank_whose_old_port_was_taken_comes_back_on_another() -> None:
+    gateway = start_data_parallel_gateway(
+        [{"name": "tcp", "kind": "reference", "data_parallel_size": 2, "worker_transport": "tcp"}]
+    )
+    try:
+        driver = driver_of(gateway, "tcp")
+        victim = driver.ranks[1]
+        old_endpoint = victim.endpoint
+        host, port = old_endpoint.removeprefix("tcp://").rsplit(":", 1)
+        with socketlib.socket() as squatter:
+            with clock_of(gateway, "tcp").held():
+                assert victim.process is not None
+                victim.process.kill()
+                assert wait_until(lambda: victim.state == "down" and victim.process is None)
+                # Another server takes the port while the rank waits to restart (SO_REUSEADDR, as servers do: the
+                # killed worker's connections linger in TIME_WAIT).
+                squatter.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_REUSEADDR, 1)
+                squatter.bind((host, int(port)))
+                squatter.listen()
+            assert wait_until(lambda: victim.state == "up", 30)
+            assert victim.endpoint != old_endpoint
+        assert victim.restarts == 1
+        with httpx.Client(base_url=gateway.base_url, timeout=60) as http:
+            body = {"model": "tcp", "prompt": "Hello", "max_tokens": 4}
+            before = victim.dispatched
+            for _ in range(2):  # equal loads alternate ranks: one goes to the restarted rank
+                assert http.post("/v1/completions", json=body).status_code == 200
+            assert victim.dispatched == before + 1
+    finally:
+        stop_gateway(gateway)
+
+
+async def until(predicate: Callable[[], bool]) -> bool:
+    """``wait_until`` for tests whose driver runs on their own event loop: polls state, yielding to the loop."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30.0
+    while not predicate():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def test_a_rank_whose_worker_cannot_be_spawned_is_retried_until_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = ReferenceBackendConfig(name="dp", data_parallel_size=2).model_dump(mode="json")
+    plan = WorkerPlan(2, "backends.reference.backend:build_rank_engine", options, restart_backoff=0.05, max_backoff=0.2)
+    driver = DataParallelDriver("dp", plan, load_tokenizer)
+    await driver.start()
+    try:
+        victim = driver.ranks[1]
+        assert victim.process is not None
+        monkeypatch.setattr(sys, "executable", "/nonexistent/python")  # e.g. the environment was upgraded away
+        victim.process.kill()
+        assert await until(lambda: "cannot start its worker process" in victim.reason)
+        assert await until(lambda: victim.launches >= 4)  # retried, with backoff
+        monkeypatch.undo()
+        assert await until(lambda: victim.state == "up")
+        assert driver.ranks[0].state == "up" and driver.ranks[0].restarts == 0
+        processes = [rank.process for rank in driver.ranks]
+    finally:
+        await driver.stop()
+    assert all(p is not None and p.returncode == 0 for p in processes)

@@ -425,6 +425,7 @@ class LLMEngine:
                     top_logprobs=[logprob - j for j in range(width)],
                     top_token_ids=[(token + j) % self._vocab_size for j in range(width)],
                     num_output_tokens=position,
+                    prompt_logprobs=self._prompt_logprobs(seq) if position == 1 and params.prompt_logprobs else [],
                 )
             )
             if finished:
@@ -434,6 +435,11 @@ class LLMEngine:
         records[-1].draft_tok = draft_tok
         records[-1].accept_tok = accept_tok
         return records
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> list[float]:
+        """DeepInfer's prompt logprobs: ``prompt_len - 1`` floats on the prompt step's output (made-up values)."""
+        return [-0.125 * (1 + i % 8) for i in range(seq.get_prompt_len() - 1)]
 
     def _synthetic(self, seq: Sequence) -> _Output:
         """The final output of a request that ends without generating: its token was never sampled."""

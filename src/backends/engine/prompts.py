@@ -1,0 +1,171 @@
+"""Prompt preparation on a worker pool: chat rendering, tokenizing and grammar compiling, off the event loop.
+
+A chat message may be megabytes long (the body limit is 8 MiB): rendering it, tokenizing it (seconds of CPU for a
+few MiB) and compiling its output grammar (a large JSON schema takes a few hundred milliseconds) must neither stall
+the event loop, which also answers ``/health``, nor the engine thread, which steps every other request. Each
+request's preparation therefore runs as one job on a small thread pool (``prepare_threads`` in the backend's
+config). Tokenizing uses ``encode_batch_fast``: it releases the GIL while the Rust tokenizer works (``encode``
+keeps it for the whole 25 s of a 7 MiB prompt), and its encodings carry no offsets, so freeing one (which holds
+the GIL) takes 30 ms instead of a second. Grammars are compiled by engines that offer ``StructuredOutputCompiler``
+and handed to ``add_request`` ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from backends.engine.detokenizer import TokenTable
+from backends.engine.protocol import Engine, StructuredOutputCompiler
+from backends.errors import ContextLengthExceededError, InvalidRequestError
+from backends.heap import release_free_heap
+from backends.interface import GenerateRequest, ToolCallDelta
+
+DEFAULT_PREPARE_THREADS = 2
+TRIM_AFTER_CHARS = 1 << 20
+"""After preparing a prompt this long, return the tokenizer's freed heap to the OS (glibc keeps it otherwise)."""
+
+
+class OutputParser(Protocol):
+    """The model family's parser of one choice's text into reasoning, content and tool calls, fed per step."""
+
+    @property
+    def in_reasoning(self) -> bool: ...
+
+    @property
+    def called(self) -> bool: ...
+
+    def push(self, text: str) -> tuple[str, str, Sequence[ToolCallDelta]]: ...
+
+    def finish(self) -> tuple[str, str, Sequence[ToolCallDelta]]: ...
+
+
+class ChatPrompt(NamedTuple):
+    """A rendered chat request: prompt text plus what decoding and output parsing need for it."""
+
+    text: str
+    parser: Callable[[], OutputParser] | None = None  # one parser per choice
+    so_args: dict[str, Any] | None = None  # DeepInfer structured-output arguments
+    so_param: str | None = None  # the request field that asked for constrained decoding, for error messages
+    reasoning_end_token: int | None = None  # id of the token that closes reasoning, to count reasoning tokens
+
+
+class ChatTemplate(Protocol):
+    """Renders chat messages into the model family's prompt (DeepSeek V4.1 for DeepInfer).
+
+    ``features`` (optional) names the ``REQUEST_FEATURES`` it implements; the backend honours them. ``render``
+    runs on the preparation pool, several requests at once: it must be thread-safe.
+    ``output_markers``: the tags its output parser reads; the detokenizer keeps them even if they are special.
+    """
+
+    output_markers: Sequence[str]
+
+    def render(self, request: GenerateRequest, tokenizer: Tokenizer) -> ChatPrompt: ...
+
+
+class PreparedPrompt(NamedTuple):
+    """What the engine needs from a request's prompt, ready to add."""
+
+    ids: np.ndarray  # int32, 1-D, C-contiguous: what DeepInfer's add_request takes
+    chat: ChatPrompt | None
+    so_args: Mapping[str, Any] | None  # the chat's so_args, compiled when the engine offers it
+
+
+class PromptPreparer:
+    """Prepares prompts for one engine backend on its own thread pool."""
+
+    def __init__(self, chat_template: ChatTemplate, *, threads: int = DEFAULT_PREPARE_THREADS, name: str) -> None:
+        if threads < 1:
+            raise ValueError("prepare_threads must be at least 1")
+        self._template = chat_template
+        self._threads = threads
+        self._name = name
+        self._executor: ThreadPoolExecutor | None = None
+        self._engine: Engine | None = None
+        self._max_token_bytes: int | None = None
+
+    def start(self, engine: Engine, table: TokenTable) -> None:
+        """Binds the engine whose tokenizer and limits apply and starts the pool."""
+        self._engine = engine
+        self._max_token_bytes = _max_token_bytes(engine.tokenizer, table)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix=f"prepare-{self._name}")
+
+    def stop(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    async def prepare(self, request: GenerateRequest) -> PreparedPrompt:
+        """Renders, tokenizes and checks the prompt, and compiles its grammar, on the pool."""
+        executor = self._executor
+        engine = self._engine
+        assert executor is not None and engine is not None, "PromptPreparer.start() was not called"
+        return await asyncio.get_running_loop().run_in_executor(executor, self._prepare, request, engine)
+
+    # ---- pool threads ----------------------------------------------------------------------------------------
+
+    def _prepare(self, request: GenerateRequest, engine: Engine) -> PreparedPrompt:
+        if request.prompt_token_ids is not None:
+            if len(request.prompt_token_ids) > engine.max_model_len:
+                raise _too_long(engine.max_model_len, f"has {len(request.prompt_token_ids)} tokens", "prompt")
+            ids = np.asarray(request.prompt_token_ids, dtype=np.int64)
+            vocab = engine.vocab_size
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                raise InvalidRequestError(
+                    f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_token_id"
+                )
+            if ids.size == 0:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return PreparedPrompt(np.ascontiguousarray(ids, dtype=np.int32), None, None)
+        chat: ChatPrompt | None = None
+        if request.messages is not None:
+            chat = self._template.render(request, engine.tokenizer)
+            text = chat.text
+            add_special_tokens = False  # the chat template writes BOS itself
+        else:
+            text = request.prompt or ""
+            add_special_tokens = True
+        ids = self._tokenize(text, add_special_tokens, engine, param="messages" if chat is not None else "prompt")
+        so_args: Mapping[str, Any] | None = chat.so_args if chat is not None else None
+        if so_args is not None and isinstance(engine, StructuredOutputCompiler):
+            so_args = engine.compile_so_args(so_args)
+        return PreparedPrompt(ids, chat, so_args)
+
+    def _tokenize(self, text: str, add_special_tokens: bool, engine: Engine, *, param: str) -> np.ndarray:
+        limit = engine.max_model_len
+        if self._max_token_bytes and len(text) > limit * self._max_token_bytes:
+            # Every token covers at most max_token_bytes bytes of the text, and a character is at least one byte:
+            # this prompt cannot fit, and tokenizing it would cost seconds of CPU for nothing.
+            raise _too_long(limit, f"is {len(text)} characters long, which is more than {limit} tokens", param)
+        try:
+            encoding = engine.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+            count = len(encoding)
+            if count > limit:
+                raise _too_long(limit, f"has {count} tokens", param)
+            if count == 0:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return np.array(encoding.ids, dtype=np.int32)
+        finally:
+            if len(text) >= TRIM_AFTER_CHARS:
+                encoding = None
+                release_free_heap()
+
+
+def _too_long(limit: int, prompt: str, param: str) -> ContextLengthExceededError:
+    return ContextLengthExceededError(
+        f"This model's maximum context length is {limit} tokens. However, your prompt {prompt}.", param=param
+    )
+
+
+def _max_token_bytes(tokenizer: Tokenizer, table: TokenTable) -> int | None:
+    """The most bytes of text one token can stand for, when that is known (byte-level BPE without a normalizer,
+    which could shrink the text); None otherwise."""
+    if not table.byte_level or tokenizer.normalizer is not None:
+        return None
+    return max((len(raw) for raw in table.raw_bytes_of), default=0) or None

@@ -1,0 +1,81 @@
+"""Large JSON request bodies are parsed in a child process, so the event loop never stalls on a 7 MiB body.
+
+Parsing JSON holds the GIL from start to end, whatever thread does it: a 7 MiB chat body takes 25-100 ms of
+``json.loads``, during which ``/health`` and every stream wait. In a child process the parse costs the loop only
+the copy back (unpickling the result: a few milliseconds). Bodies of at least ``OFFLOAD_BYTES`` go there when
+``server.json_parse_processes`` is above 0; smaller ones are parsed in place, where a process hop would cost more
+than the parse. The generation routes use ``OffloadedJSONRoute``; FastAPI reads their body through
+``Request.json()``, so errors (``json_invalid`` 400s) are exactly those of an in-place parse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from fastapi.routing import APIRoute
+from starlette.requests import Request
+from starlette.responses import Response
+
+logger = logging.getLogger(__name__)
+
+OFFLOAD_BYTES = 512 * 1024
+"""Bodies at least this large are parsed in a child process (about 5 ms of parsing in place)."""
+
+
+class JSONBodyParser:
+    """A small pool of child processes that parse large JSON bodies; started on the first large body."""
+
+    def __init__(self, processes: int, *, offload_bytes: int = OFFLOAD_BYTES) -> None:
+        self.processes = processes
+        self.offload_bytes = offload_bytes
+        self.offloaded = 0
+        """Bodies parsed in a child process so far."""
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def loads(self, body: bytes) -> Any:
+        if self.processes < 1 or len(body) < self.offload_bytes:
+            return json.loads(body)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            parsed = await asyncio.get_running_loop().run_in_executor(self._pool, json.loads, body)
+        except BrokenProcessPool:  # a child died (killed, out of memory): parse here, start a new pool next time
+            logger.warning("the JSON parser process died; parsing this body on the event loop")
+            self._pool = None
+            return json.loads(body)
+        self.offloaded += 1
+        return parsed
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _OffloadedJSONRequest(Request):
+    """A request whose ``json()`` uses the app's ``JSONBodyParser``."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            parser: JSONBodyParser = self.app.state.json_parser
+            self._json = await parser.loads(await self.body())
+        return self._json
+
+
+class OffloadedJSONRoute(APIRoute):
+    """An ``APIRoute`` whose JSON body is parsed by the app's ``JSONBodyParser``."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def parse_large_bodies_elsewhere(request: Request) -> Response:
+            return await handler(_OffloadedJSONRequest(request.scope, request.receive))
+
+        return parse_large_bodies_elsewhere
