@@ -9,6 +9,9 @@ import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import numpy as np
+from tokenizers import Tokenizer
+
 from backends.engine.detokenizer import IncrementalDetokenizer, TokenTable
 from backends.engine.driver import EngineDriver
 from backends.engine.prompts import (
