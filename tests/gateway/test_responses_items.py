@@ -79,4 +79,4 @@ def test_a_bad_item_names_its_field() -> None:
             model="m", input=[{"role": "user", "content": "a"}, {"type": "function_call", "name": "f"}]
         )
     error = caught.value.errors()[0]["ctx"]["error"]  # type: ignore[attr-defined]
-    assert isinstance(error, UnsupportedParameter) and error.param == "input[1].call_id"
+    assert isinstance(error, UnsupportedParameter) and error.where == "[1].call_id"

@@ -124,8 +124,8 @@ class CreateResponseRequest(_Body):
         if isinstance(value, str):
             return [_message_item(None, "user", [{"type": "input_text", "text": value}], None)]
         if not value:
-            raise UnsupportedParameter("input", "the input list is empty")
-        return [canonical_item(item, f"input[{i}]") for i, item in enumerate(value)]
+            raise UnsupportedParameter("", "the input list is empty")
+        return [canonical_item(item, f"[{i}]") for i, item in enumerate(value)]
 
     @field_validator("tools")
     @classmethod
@@ -134,17 +134,17 @@ class CreateResponseRequest(_Body):
         for i, tool in enumerate(value or ()):
             if tool.get("type") != "function":
                 raise UnsupportedParameter(
-                    f"tools[{i}].type", f"only function tools are supported, not {tool.get('type')!r}"
+                    f"[{i}].type", f"only function tools are supported, not {tool.get('type')!r}"
                 )
             name = tool.get("name")
             if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-                raise UnsupportedParameter(f"tools[{i}].name", "must be 1-64 letters, digits, underscores or dashes")
+                raise UnsupportedParameter(f"[{i}].name", "must be 1-64 letters, digits, underscores or dashes")
             if name in names:
-                raise UnsupportedParameter(f"tools[{i}].name", f"{name!r} is given twice")
+                raise UnsupportedParameter(f"[{i}].name", f"{name!r} is given twice")
             names.add(name)
             parameters = tool.get("parameters")
             if parameters is not None and not isinstance(parameters, dict):
-                raise UnsupportedParameter(f"tools[{i}].parameters", "must be a JSON Schema object")
+                raise UnsupportedParameter(f"[{i}].parameters", "must be a JSON Schema object")
         return value
 
     @field_validator("tool_choice")
@@ -152,9 +152,9 @@ class CreateResponseRequest(_Body):
     def _tool_choice_shape(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if isinstance(value, str):
             if value not in ("none", "auto", "required"):
-                raise UnsupportedParameter("tool_choice", "expected 'none', 'auto', 'required' or a function object")
+                raise UnsupportedParameter("", "expected 'none', 'auto', 'required' or a function object")
         elif value is not None and (value.get("type") != "function" or not isinstance(value.get("name"), str)):
-            raise UnsupportedParameter("tool_choice", 'expected {"type": "function", "name": ...}')
+            raise UnsupportedParameter("", 'expected {"type": "function", "name": ...}')
         return value
 
     @field_validator("include")
@@ -162,7 +162,7 @@ class CreateResponseRequest(_Body):
     def _known_includes(cls, value: list[str] | None) -> list[str] | None:
         for i, name in enumerate(value or ()):
             if name not in SUPPORTED_INCLUDES:
-                raise UnsupportedParameter(f"include[{i}]", f"{name!r} is not supported here")
+                raise UnsupportedParameter(f"[{i}]", f"{name!r} is not supported here")
         return value
 
     @model_validator(mode="after")
