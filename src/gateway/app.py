@@ -23,8 +23,9 @@ from gateway.errors import install_error_handlers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
+from gateway.response_store import StoredResponses, open_response_store
 from gateway.router import ModelRouter
-from gateway.routes import admin, generate, models, operations, tokenize
+from gateway.routes import admin, generate, models, operations, responses, tokenize
 from gateway.state import GatewayState
 from gateway.state_store import SharedStateStore
 
@@ -63,6 +64,14 @@ def create_app(
         start_errors=start_errors,
         limits=KeyLimits(server, store=store, processes=server.workers),
         store=store,
+        responses=StoredResponses(
+            open_response_store(
+                server.responses_store,
+                max_age=server.responses_max_age,
+                shared=store.client if store is not None else None,
+            ),
+            metrics.registry,
+        ),
     )
     json_parser = JSONBodyParser(config.server.json_parse_processes)
 
@@ -87,6 +96,7 @@ def create_app(
             await state.router.aclose()  # shadow requests: cancelled, they never hold the shutdown up
             await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
             json_parser.close()
+            await state.responses.aclose()  # type: ignore[union-attr]
             metrics.close()
 
     # Streams end when they are done or when uvicorn's drain timeout cancels them, never at the first SIGTERM.
@@ -96,6 +106,7 @@ def create_app(
     app.state.json_parser = json_parser  # read by the generation routes' OffloadedJSONRoute
     install_error_handlers(app)
     app.include_router(generate.router)
+    app.include_router(responses.router)
     app.include_router(models.router)
     app.include_router(tokenize.router)
     app.include_router(operations.router)

@@ -86,6 +86,16 @@ class ServerConfig(BaseModel):
     )
     max_messages: int = Field(2048, ge=1, description="upper bound for messages in a chat request")
     max_tools: int = Field(128, ge=0, description="upper bound for tools in a chat request")
+    responses_store: str = Field(
+        "sqlite",
+        pattern=r"^(memory|sqlite|sqlite://.+|state_store)$",
+        description="where /v1/responses keeps stored responses: sqlite (responses.sqlite3 in "
+        "$DEEPINFER_GATEWAY_CACHE or ~/.cache/deepinfer-gateway), sqlite://PATH, memory, or state_store (the "
+        "Redis of server.state_store, shared by every replica)",
+    )
+    responses_max_age: float | None = Field(
+        30 * 24 * 3600.0, gt=0, description="seconds a stored response is kept; null: forever"
+    )
     token_reservation: int = Field(
         512,
         ge=0,
@@ -102,6 +112,12 @@ class ServerConfig(BaseModel):
     workers: int = Field(
         1, ge=1, le=256, description="front-end processes serving one port (uvicorn workers); see README, Scale out"
     )
+
+    @model_validator(mode="after")
+    def _responses_store_exists(self) -> ServerConfig:
+        if self.responses_store == "state_store" and self.state_store is None:
+            raise ValueError("responses_store: state_store needs server.state_store (redis://...)")
+        return self
 
     def client_keys(self) -> list[ApiKeyConfig]:
         return [ApiKeyConfig(key=k) if isinstance(k, str) else k for k in self.api_keys]

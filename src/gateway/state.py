@@ -11,6 +11,7 @@ from backends.interface import Backend
 from gateway.config import GatewayConfig
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
+from gateway.response_store import StoredResponses
 from gateway.router import ModelRouter
 from gateway.state_store import SharedStateStore
 
@@ -24,6 +25,8 @@ class GatewayState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     start_errors: dict[str, str] = field(default_factory=dict)
     limits: KeyLimits | None = None
+    responses: StoredResponses | None = None
+    """Stored Responses API responses (``server.responses_store``)."""
     store: SharedStateStore | None = None
     """The shared state store (``server.state_store``), if one is configured."""
     draining: bool = False

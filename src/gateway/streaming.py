@@ -24,9 +24,9 @@ from starlette.types import Receive, Scope, Send
 from backends.errors import BackendError, BackendTimeoutError, SlowClientError
 from backends.interface import Delta, Event, Finish, PromptEcho, Usage
 from backends.streams import interleave
-from gateway.errors import api_error_from_backend, error_payload
+from gateway.errors import APIError, api_error_from_backend, error_payload
 from gateway.metrics import RequestObserver
-from gateway.openai.responses import DONE_FRAME, sse_frame
+from gateway.openai.responses import sse_frame
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -92,8 +92,11 @@ async def _next_event(events: AsyncIterator[Event], deadline: _Deadline | None) 
 
 
 class OpenAIFormat(Protocol):
+    done_frame: bytes | None  # the stream's last frame (chat and completions: [DONE])
+
     def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None: ...
     def usage_frame(self, usage: Usage) -> bytes: ...
+    def error_frame(self, error: APIError) -> bytes: ...
     def add(self, event: Delta | Finish | PromptEcho) -> None: ...
     def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]: ...
 
@@ -132,11 +135,6 @@ async def _first_token_events(events: AsyncIterator[Event], deadline: _Deadline 
         head.append(event)
         if not isinstance(event, PromptEcho):
             return head
-
-
-def error_frame(exc: BackendError) -> bytes:
-    error = api_error_from_backend(exc)
-    return sse_frame(error_payload(error.message, error.type, error.param, error.code))
 
 
 class _Outcome:
@@ -235,7 +233,7 @@ async def stream_response(
         except BackendError as exc:
             error = api_error_from_backend(exc)
             outcome.status, outcome.code = error.status, error.code or error.type
-            yield error_frame(exc)
+            yield fmt.error_frame(error)
         except Exception:
             logger.exception("stream of request %s failed after its first frame", request.state.request_id)
             outcome.status, outcome.code = 500, "internal_error"
@@ -243,8 +241,8 @@ async def stream_response(
         finally:
             with anyio.CancelScope(shield=True):  # a cancelled stream must still abort its backend work
                 await events.aclose()
-        if outcome.status is not None:
-            yield DONE_FRAME
+        if outcome.status is not None and fmt.done_frame is not None:
+            yield fmt.done_frame
 
     response = _EventStream(
         frames(), outcome, observer, headers=headers, ping=15, send_timeout=timeouts.stall if timeouts else None

@@ -15,6 +15,8 @@ CASES = [
     ("POST /v1/chat/completions", NEGATIVE),
     ("POST /v1/completions", POSITIVE),
     ("POST /v1/completions", NEGATIVE),
+    ("POST /v1/responses", POSITIVE),
+    ("POST /v1/responses", NEGATIVE),
     ("GET /v1/models/{model_id}", POSITIVE),
     ("GET /v1/models", POSITIVE),
     ("GET /health", POSITIVE),

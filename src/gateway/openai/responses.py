@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from backends.interface import Delta, Finish, PromptEcho, PromptToken, TokenLogprob, ToolCallDelta, Usage
+from gateway.errors import APIError, error_payload
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
@@ -60,7 +61,16 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     ]
 
 
-class ChatFormat:
+class SSEFormat:
+    """How chat and completion streams end: a failure is one ``{"error": ...}`` frame, then ``[DONE]``."""
+
+    done_frame: bytes | None = DONE_FRAME
+
+    def error_frame(self, error: APIError) -> bytes:
+        return sse_frame(error_payload(error.message, error.type, error.param, error.code))
+
+
+class ChatFormat(SSEFormat):
     """``chat.completion`` responses and ``chat.completion.chunk`` frames for one request."""
 
     def __init__(self, response_id: str, created: int, model: str, fingerprint: str, n: int) -> None:
@@ -165,7 +175,7 @@ class ChatFormat:
         return body
 
 
-class CompletionFormat:
+class CompletionFormat(SSEFormat):
     """``text_completion`` responses and frames; choice indexes are ``prompt_index * n + i``."""
 
     def __init__(self, response_id: str, created: int, model: str, fingerprint: str, choices: int) -> None:
