@@ -17,14 +17,15 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from backends.errors import BackendError
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -202,6 +203,9 @@ class RedisResponseStore:
     and replica sees every response. Redis expires them after ``max_age``."""
 
     def __init__(self, client: Redis, *, max_age: float | None = None, prefix: str = "gateway:response:") -> None:
+        from redis.exceptions import RedisError  # only a gateway with a state store needs redis
+
+        self._failures: tuple[type[BaseException], ...] = (RedisError,)
         self._client = client  # owned by the SharedStateStore, which closes it
         self._max_age = max_age
         self._prefix = prefix
@@ -209,7 +213,7 @@ class RedisResponseStore:
     async def _call(self, work: Awaitable[T]) -> T:
         try:
             return await work
-        except (TimeoutError, RedisError, OSError) as exc:
+        except (TimeoutError, OSError, *self._failures) as exc:
             raise ResponseStoreError(f"The response store failed: {exc}") from exc
 
     async def put(self, record: StoredResponse) -> None:

@@ -161,7 +161,9 @@ def wrong_types(draw: st.DrawFn, path: str) -> tuple[dict[str, Any], str]:
 @st.composite
 def out_of_range(draw: st.DrawFn, path: str) -> tuple[dict[str, Any], str]:
     base, _ = BASES[path]
-    bounds = {**BOUNDS, **INT_BOUNDS, **({"logprobs": (0, 5)} if path == "/v1/completions" else {})}
+    # /v1/completions takes max_tokens 0 (with echo: score the prompt), as OpenAI's legacy API does
+    legacy = {"logprobs": (0, 5), "max_tokens": (0, 2**31 - 1)} if path == "/v1/completions" else {}
+    bounds = {**BOUNDS, **INT_BOUNDS, **legacy}
     name = draw(st.sampled_from(sorted(bounds)))
     low, high = bounds[name]
     integer = name in INT_BOUNDS or name == "logprobs"
