@@ -33,6 +33,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """The direct child processes of ``pid`` (a gateway's engine worker processes)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 def serve_gateway(
     config: dict[str, Any], *, label: str = "gateway", timeout: float = 180.0
 ) -> tuple[subprocess.Popen[bytes], str, Path]:

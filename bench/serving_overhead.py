@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from _gateway import cpu_seconds, serve_gateway
+from _gateway import children, cpu_seconds, serve_gateway
 
 MODEL = "bench-reference"
 
@@ -41,11 +41,16 @@ def scrape(base_url: str) -> dict[str, float]:
     return out
 
 
-def start_gateway(max_num_seqs: int) -> tuple[subprocess.Popen[bytes], str, Path]:
+def start_gateway(max_num_seqs: int, worker_processes: bool) -> tuple[subprocess.Popen[bytes], str, Path]:
+    backend: dict[str, Any] = {"name": "reference", "kind": "reference", "max_num_seqs": max_num_seqs}
+    if worker_processes:
+        backend["worker_processes"] = True
     return serve_gateway(
         {
-            "server": {"access_log": True},
-            "backends": [{"name": "reference", "kind": "reference", "max_num_seqs": max_num_seqs}],
+            # Idle keep-alive connections live longer than a loaded client's gap between two requests (at the
+            # default 5 s a busy load generator reuses a connection the server is just closing: ReadError).
+            "server": {"access_log": True, "keep_alive_timeout": 60},
+            "backends": [backend],
             "models": [{"name": MODEL, "backends": ["reference"]}],
         }
     )
@@ -96,16 +101,26 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,256", help="comma-separated concurrency levels")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per streamed request")
+    parser.add_argument(
+        "--worker-processes",
+        action="store_true",
+        help="run the engine in a worker process (worker_processes: true); its CPU counts as the gateway's",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/serving_overhead.json"))
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    process, base_url, config = start_gateway(max(levels) + 16)
+    process, base_url, config = start_gateway(max(levels) + 16, args.worker_processes)
+
+    def gateway_cpu() -> float:
+        """The gateway process and its worker processes (a worker is part of the gateway with worker_processes)."""
+        return cpu_seconds(process.pid) + sum(cpu_seconds(pid) for pid in children(process.pid))
+
     results = []
     try:
         for concurrency in levels:
-            before_cpu, before = cpu_seconds(process.pid), scrape(base_url)
+            before_cpu, before = gateway_cpu(), scrape(base_url)
             level = asyncio.run(run_level(base_url, concurrency, args.duration, args.max_tokens))
-            after_cpu, after = cpu_seconds(process.pid), scrape(base_url)
+            after_cpu, after = gateway_cpu(), scrape(base_url)
 
             def grew(name: str, after: dict[str, float] = after, before: dict[str, float] = before) -> float:
                 return after.get(name, 0.0) - before.get(name, 0.0)
@@ -147,7 +162,15 @@ def main() -> None:
         config.unlink(missing_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"max_tokens": args.max_tokens, "duration": args.duration, "levels": results}, indent=2)
+        json.dumps(
+            {
+                "max_tokens": args.max_tokens,
+                "duration": args.duration,
+                "worker_processes": args.worker_processes,
+                "levels": results,
+            },
+            indent=2,
+        )
     )
     print(f"wrote {args.out}")
 

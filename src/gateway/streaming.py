@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from backends.errors import BackendError, BackendTimeoutError, SlowClientError
 from backends.interface import Delta, Event, Finish, PromptEcho, Usage
 from backends.streams import interleave
+from gateway.bursts import BurstReader
 from gateway.errors import APIError, api_error_from_backend, error_payload
 from gateway.metrics import RequestObserver
 from gateway.openai.responses import sse_frame
@@ -32,6 +33,8 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 SLOW_CLIENT_STATUS = 408  # logged for a stream stopped because its client did not read
+MAX_BURST = 64
+"""Frames written to a client in one send at most, when that many were ready at once."""
 INTERNAL_ERROR_FRAME = sse_frame(
     error_payload("The server had an error processing your request.", "server_error", None, "internal_error")
 )
@@ -76,15 +79,20 @@ async def _next_event(events: AsyncIterator[Event], deadline: _Deadline | None) 
     """The next event, or ``BackendTimeoutError`` once the deadline passes (the backend's work is aborted,
     since the timeout cancels the iterator's pending await and its cleanup runs). The timeout only ever spans
     the wait for the backend, never a send to the client."""
+    return await _within(deadline, lambda: anext(events))
+
+
+async def _within(deadline: _Deadline | None, wait: Callable[[], Awaitable[Event]]) -> Event:
+    """``wait()``, bounded by the request's deadline (see ``_next_event``)."""
     if deadline is None:
-        return await anext(events)
+        return await wait()
     at = deadline.next()
     if at is None:
-        event = await anext(events)
+        event = await wait()
     else:
         try:
             async with asyncio.timeout_at(at):
-                event = await anext(events)
+                event = await wait()
         except TimeoutError:
             raise deadline.expired() from None
     deadline.last = deadline._loop.time()
@@ -208,6 +216,9 @@ async def stream_response(
     outcome = _Outcome()
 
     async def frames() -> AsyncIterator[bytes]:
+        """The response body: every frame the backend had ready goes out in one send (a burst), so events that
+        arrived together (one network read, a step's outputs queued while the loop was busy) cost one write."""
+
         def render(event: Event) -> bytes | None:
             if isinstance(event, Usage):
                 outcome.usage = event
@@ -216,33 +227,51 @@ async def stream_response(
                 observer.first_token()
             return fmt.frame(event)
 
+        reader = BurstReader(events)
+        burst: list[bytes] = []
         try:
-            for event in head:
+            for event in head:  # the first token goes out at once
                 frame = render(event)
                 if frame is not None:
-                    yield frame
+                    burst.append(frame)
+            if burst:
+                yield b"".join(burst)
+                burst.clear()
             while response.active:
                 try:
-                    event = await _next_event(events, deadline)
+                    event = reader.ready()
+                    if event is None:  # the backend has nothing more for now: send what it had, then wait
+                        if burst:
+                            yield b"".join(burst)
+                            burst.clear()
+                            if not response.active:
+                                break
+                        event = await _within(deadline, reader.wait)
                 except StopAsyncIteration:
                     outcome.status = 200
                     break
                 frame = render(event)
                 if frame is not None:
-                    yield frame
+                    burst.append(frame)
+                    if len(burst) >= MAX_BURST:
+                        yield b"".join(burst)
+                        burst.clear()
         except BackendError as exc:
             error = api_error_from_backend(exc)
             outcome.status, outcome.code = error.status, error.code or error.type
-            yield fmt.error_frame(error)
+            burst.append(fmt.error_frame(error))
         except Exception:
             logger.exception("stream of request %s failed after its first frame", request.state.request_id)
             outcome.status, outcome.code = 500, "internal_error"
-            yield INTERNAL_ERROR_FRAME
+            burst.append(INTERNAL_ERROR_FRAME)
         finally:
             with anyio.CancelScope(shield=True):  # a cancelled stream must still abort its backend work
-                await events.aclose()
-        if outcome.status is not None and fmt.done_frame is not None:
-            yield fmt.done_frame
+                await reader.aclose()
+        if outcome.status is not None:
+            if fmt.done_frame is not None:
+                burst.append(fmt.done_frame)
+            if burst:
+                yield b"".join(burst)
 
     response = _EventStream(
         frames(), outcome, observer, headers=headers, ping=15, send_timeout=timeouts.stall if timeouts else None
@@ -264,9 +293,12 @@ async def whole_response(
 
     async def collect() -> Usage | None:
         usage = None
+        reader = BurstReader(events)  # events that are ready skip the deadline's timer
         while True:
             try:
-                event = await _next_event(events, deadline)
+                event = reader.ready()
+                if event is None:
+                    event = await _within(deadline, reader.wait)
             except StopAsyncIteration:
                 return usage
             if isinstance(event, Usage):

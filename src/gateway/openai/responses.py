@@ -1,6 +1,8 @@
 """Builds OpenAI response bodies and stream frames from backend events, as plain dicts and orjson bytes.
 
-This is the per-step hot path: one dict and one ``orjson.dumps`` per frame, no pydantic.
+This is the per-step hot path, no pydantic. The fields every frame of a response repeats (id, object, created,
+model, system fingerprint) are rendered once into a byte prefix; a plain text delta (the usual frame) is that
+prefix, the choice index and one ``orjson.dumps`` of its text. Other frames render their choices as a dict.
 """
 
 from __future__ import annotations
@@ -70,6 +72,49 @@ class SSEFormat:
         return sse_frame(error_payload(error.message, error.type, error.param, error.code))
 
 
+class _FramePrefix:
+    """The bytes a response's stream frames start with, up to ``"choices":``; rebuilt when the fingerprint changes
+    (a fallback target took the request over before its first frame)."""
+
+    __slots__ = ("_fingerprint", "_object", "choices", "created", "id", "model", "texts")
+
+    def __init__(self, response_id: str, created: int, model: str, fingerprint: str, obj: str) -> None:
+        self.id = response_id
+        self.created = created
+        self.model = model
+        self._object = obj
+        self.fingerprint = fingerprint
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @fingerprint.setter
+    def fingerprint(self, value: str) -> None:
+        self._fingerprint = value
+        head = orjson.dumps(
+            {
+                "id": self.id,
+                "object": self._object,
+                "created": self.created,
+                "model": self.model,
+                "system_fingerprint": value,
+            }
+        )
+        self.choices = b"data: " + head[:-1] + b',"choices":'
+        self.texts: dict[int, bytes] = {}  # choice index -> the prefix of its plain text deltas
+
+    def text_head(self, index: int, text_key: bytes) -> bytes:
+        head = self.texts.get(index)
+        if head is None:
+            head = self.texts[index] = self.choices + b'[{"index":%d,%s:' % (index, text_key)
+        return head
+
+
+_CHAT_TEXT_TAIL = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+_COMPLETION_TEXT_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+
 class ChatFormat(SSEFormat):
     """``chat.completion`` responses and ``chat.completion.chunk`` frames for one request."""
 
@@ -77,7 +122,7 @@ class ChatFormat(SSEFormat):
         self.id = response_id
         self.created = created
         self.model = model
-        self.fingerprint = fingerprint
+        self._prefix = _FramePrefix(response_id, created, model, fingerprint, "chat.completion.chunk")
         self.n = n
         self._role_sent = [False] * n
         self._texts: list[list[str]] = [[] for _ in range(n)]
@@ -86,20 +131,23 @@ class ChatFormat(SSEFormat):
         self._logprobs: list[list[dict[str, Any]] | None] = [None] * n
         self._finish: list[str] = ["stop"] * n
 
+    @property
+    def fingerprint(self) -> str:
+        return self._prefix.fingerprint
+
+    @fingerprint.setter
+    def fingerprint(self, value: str) -> None:
+        self._prefix.fingerprint = value
+
     # streaming
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.fingerprint,
-            "choices": choices,
-        }
+    def _frame(self, choices: list[dict[str, Any]]) -> bytes:
+        return self._prefix.choices + orjson.dumps(choices) + b"}\n\n"
 
     def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None:
         index = event.index
         if isinstance(event, Delta):
+            if not (event.reasoning or event.tool_calls or event.logprobs) and self._role_sent[index]:
+                return self._prefix.text_head(index, b'"delta":{"content"') + orjson.dumps(event.text) + _CHAT_TEXT_TAIL
             delta: dict[str, Any] = {"content": event.text}
             if not self._role_sent[index]:
                 self._role_sent[index] = True
@@ -114,18 +162,16 @@ class ChatFormat(SSEFormat):
                     delta["content"] = None
             logprobs = {"content": chat_logprobs(event.logprobs), "refusal": None} if event.logprobs else None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-            return sse_frame(self._chunk([choice]))
+            return self._frame([choice])
         if isinstance(event, Finish):
             delta = {} if self._role_sent[index] else {"role": "assistant", "content": ""}
             self._role_sent[index] = True
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": event.reason}
-            return sse_frame(self._chunk([choice]))
+            return self._frame([choice])
         return None
 
     def usage_frame(self, usage: Usage) -> bytes:
-        payload = self._chunk([])
-        payload["usage"] = usage_dict(usage)
-        return sse_frame(payload)
+        return self._prefix.choices + b'[],"usage":' + orjson.dumps(usage_dict(usage)) + b"}\n\n"
 
     # whole response
     def add(self, event: Delta | Finish | PromptEcho) -> None:
@@ -182,7 +228,7 @@ class CompletionFormat(SSEFormat):
         self.id = response_id
         self.created = created
         self.model = model
-        self.fingerprint = fingerprint
+        self._prefix = _FramePrefix(response_id, created, model, fingerprint, "text_completion")
         self.choices = choices
         self._texts: list[list[str]] = [[] for _ in range(choices)]
         self._offsets = [0] * choices
@@ -230,33 +276,31 @@ class CompletionFormat(SSEFormat):
             return self._logprob_block(start, event.logprobs, advance=False) if event.logprobs else None
         return self._logprob_block(start, event.logprobs) if event.logprobs else None
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.fingerprint,
-            "choices": [choice],
-        }
+    @property
+    def fingerprint(self) -> str:
+        return self._prefix.fingerprint
+
+    @fingerprint.setter
+    def fingerprint(self, value: str) -> None:
+        self._prefix.fingerprint = value
 
     def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None:
         index = event.index
+        if type(event) is Delta and not event.logprobs:
+            self._offsets[index] += len(event.text)
+            return self._prefix.text_head(index, b'"text"') + orjson.dumps(event.text) + _COMPLETION_TEXT_TAIL
         logprobs = self._event_block(event)
         if isinstance(event, Delta | PromptEcho):
             self._offsets[index] += len(event.text)
             choice = {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}
-            return sse_frame(self._chunk(choice))
-        if isinstance(event, Finish):
+        elif isinstance(event, Finish):
             choice = {"index": index, "text": "", "logprobs": logprobs, "finish_reason": event.reason}
-            return sse_frame(self._chunk(choice))
-        return None
+        else:
+            return None
+        return self._prefix.choices + orjson.dumps([choice]) + b"}\n\n"
 
     def usage_frame(self, usage: Usage) -> bytes:
-        payload = self._chunk({})
-        payload["choices"] = []
-        payload["usage"] = usage_dict(usage)
-        return sse_frame(payload)
+        return self._prefix.choices + b'[],"usage":' + orjson.dumps(usage_dict(usage)) + b"}\n\n"
 
     def add(self, event: Delta | Finish | PromptEcho) -> None:
         index = event.index

@@ -1,0 +1,94 @@
+"""Reading an event stream in bursts: every event that is ready without waiting, then one wait.
+
+A stream is written to its client once per burst rather than once per event: when several upstream chunks
+arrived in one network read, or a request's queue filled while the event loop was busy, their frames go out in
+one write. Whether an event is ready is found out by running the iterator's ``__anext__`` step by hand up to its
+first suspension; if it suspends, the started step is kept and :meth:`BurstReader.wait` finishes it under the
+caller's task (its deadline and cancellation reach the backend as they would through a plain ``await``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Coroutine, Generator
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class _Resume(Generic[T]):
+    """Awaits a coroutine that already ran up to a suspension point (it yielded ``pending`` to its task), or
+    with ``throw``, throws that into it first (in place of the result ``pending`` would have brought)."""
+
+    __slots__ = ("_coro", "_pending", "_throw")
+
+    def __init__(self, coro: Coroutine[Any, Any, T], pending: Any, throw: BaseException | None = None) -> None:
+        self._coro = coro
+        self._pending = pending
+        self._throw = throw
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        coro, pending = self._coro, self._pending
+        if self._throw is not None:
+            try:
+                pending = coro.throw(self._throw)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+        while True:
+            try:
+                value = yield pending
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # cancellation and the like go on to the coroutine
+                try:
+                    pending = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+                continue
+            try:
+                pending = coro.send(value)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+
+class BurstReader(Generic[T]):
+    """Pulls items from an async iterator, telling the ready ones (:meth:`ready`) from a wait (:meth:`wait`)."""
+
+    __slots__ = ("_events", "_pending", "_step")
+
+    def __init__(self, events: AsyncIterator[T]) -> None:
+        self._events = events
+        self._step: Coroutine[Any, Any, T] | None = None
+        self._pending: Any = None
+
+    def ready(self) -> T | None:
+        """The next item if the iterator gives it without waiting (``StopAsyncIteration`` at its end); None when
+        it has to wait, and then :meth:`wait` gives it. Items are never None."""
+        step: Coroutine[Any, Any, T] = self._events.__anext__()  # type: ignore[assignment]
+        try:
+            pending = step.send(None)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        self._step, self._pending = step, pending
+        return None
+
+    async def wait(self) -> T:
+        """The item :meth:`ready` could not give without waiting."""
+        step, pending = self._step, self._pending
+        assert step is not None, "wait() without a pending ready()"
+        self._step = self._pending = None
+        return await _Resume(step, pending)
+
+    async def aclose(self) -> None:
+        """Ends a step left waiting (it sees the cancellation a plain ``await`` would have seen, so the backend's
+        cleanup runs), then closes the iterator."""
+        step, pending = self._step, self._pending
+        if step is not None:
+            self._step = self._pending = None
+            if isinstance(pending, asyncio.Future):
+                pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # the stream is over: its cleanup mattered
+                await _Resume(step, None, asyncio.CancelledError())
+        await self._events.aclose()  # type: ignore[attr-defined]

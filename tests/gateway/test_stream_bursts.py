@@ -1,0 +1,55 @@
+"""Frames go out as the backend produces them: a stream writes what was ready in one send, but never holds a
+frame back to wait for more (checked against the engine's own token count, on an engine with a timing model)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.streaming import MAX_BURST
+
+from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
+
+STEP = 0.05  # seconds per decode step: MAX_BURST steps take 3.2 s, far longer than a frame takes to arrive
+
+
+@pytest.fixture(scope="module")
+def paced_gateway() -> Iterator[RunningGateway]:
+    config = GatewayConfig(
+        backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": STEP}}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    running = start_gateway(config)
+    yield running
+    stop_gateway(running)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_each_frame_reaches_the_client_while_the_engine_is_still_generating(
+    paced_gateway: RunningGateway, path: str
+) -> None:
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 4 * MAX_BURST, "ignore_eos": True, "stream": True}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "go on"}]
+    else:
+        body["prompt"] = "go on"
+    before = paced_gateway.engine_tokens()
+    generated_when_read: list[int] = []
+    with (
+        httpx.Client(base_url=paced_gateway.base_url, timeout=60) as http,
+        http.stream("POST", path, json=body) as response,
+    ):
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                orjson.loads(line[6:])
+                generated_when_read.append(paced_gateway.engine_tokens() - before)
+                if len(generated_when_read) == 4:
+                    break
+    # Frames held back until a burst filled would only arrive once MAX_BURST tokens were generated.
+    assert max(generated_when_read) < MAX_BURST, generated_when_read
+    assert wait_until(paced_gateway.engine_idle)
