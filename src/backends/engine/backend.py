@@ -80,6 +80,7 @@ class EngineBackend:
         self.kind = kind
         self.supported_features = type(self).supported_features | getattr(chat_template, "features", frozenset())
         self.driver = EngineDriver(engine_factory, name=name)
+        self._chat_template = chat_template
         self._prompts = PromptPreparer(chat_template, threads=prepare_threads, name=name)
         self._table: TokenTable | None = None
         self._ids = itertools.count()
