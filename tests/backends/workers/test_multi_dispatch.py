@@ -127,9 +127,12 @@ def others_on_ranks(gateway: RunningGateway) -> int:
     return sum(rank.others.requests for rank in driver_of(gateway, "dp").ranks)
 
 
-def test_a_killed_front_end_has_its_requests_aborted_on_the_ranks_while_the_other_serves(
-    rank_endpoints: list[str], tmp_path: Path
+@pytest.mark.parametrize("fate", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_lost_front_end_has_its_requests_aborted_on_the_ranks_while_the_other_serves(
+    rank_endpoints: list[str], tmp_path: Path, fate: signal.Signals
 ) -> None:
+    """Killed: the ranks see its connection go. Frozen (SIGSTOP, like a host that stopped answering): it stops
+    reading and pinging, and loses its lease; thawed, it learns so, fails what it had and serves again."""
     survivor = start_front_end(rank_endpoints)
     port = free_port("127.0.0.1")
     config = {
@@ -159,14 +162,23 @@ def test_a_killed_front_end_has_its_requests_aborted_on_the_ranks_while_the_othe
                 readers.append(response.iter_lines())  # kept: a reader dropped would close its stream
                 next(readers[-1])
             assert wait_until(lambda: others_on_ranks(survivor) == 2, timeout=30), "the ranks hold both"
-            victim.send_signal(signal.SIGKILL)
-            victim.wait()
-            streams.pop_all()  # their connections died with the process
-        # The ranks drop the dead front end's lease and abort its requests; the survivor keeps serving.
-        assert seeded_chat(survivor.base_url, "Still there?", "after-kill-0")
-        assert wait_until(lambda: others_on_ranks(survivor) == 0, timeout=30), "its requests still run on the ranks"
-        assert seeded_chat(survivor.base_url, "Still there?", "after-kill-1")
-        assert all(rank.state == "up" for rank in driver_of(survivor, "dp").ranks)
+            victim.send_signal(fate)
+            # The ranks drop the lost front end and abort its requests; the survivor keeps serving.
+            assert seeded_chat(survivor.base_url, "Still there?", "after-loss-0")
+            assert wait_until(lambda: others_on_ranks(survivor) == 0, timeout=30), "its requests run on the ranks"
+            assert seeded_chat(survivor.base_url, "Still there?", "after-loss-1")
+            assert all(rank.state == "up" for rank in driver_of(survivor, "dp").ranks)
+            if fate == signal.SIGKILL:
+                victim.wait()
+                streams.pop_all()  # their connections died with the process
+                return
+            victim.send_signal(signal.SIGCONT)
+            for reader in readers:  # thawed: its streams end (with an error frame), they do not hang
+                events = [line for line in reader if line]
+                assert events[-1] == "data: [DONE]"
+                assert "dropped this dispatcher" in events[-2], events[-2]
+        assert wait_until(lambda: _ready(base), timeout=60)
+        assert seeded_chat(base, "Back again?", "thawed")
     finally:
         if victim.poll() is None:
             victim.kill()
