@@ -314,6 +314,11 @@ def test_front_ends_share_the_rank_workers_the_supervisor_hosts_and_one_killed_l
         assert answers(6) == first[:6]
         assert _rank_children(supervisor.pid) == ranks, "the ranks were neither restarted nor duplicated"
 
+        lost = sorted(ranks)[0]
+        os.kill(lost, signal.SIGKILL)  # a rank dies: the supervisor starts it again, every front end reconnects
+        assert wait_until(lambda: len(_rank_children(supervisor.pid) - ranks) == 1, timeout=60)
+        assert wait_until(lambda: _all_answer(base, seeded, first[0], 6), timeout=60)
+
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=180) == 0
         assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks), timeout=30)
@@ -321,6 +326,15 @@ def test_front_ends_share_the_rank_workers_the_supervisor_hosts_and_one_killed_l
         if supervisor.poll() is None:
             supervisor.kill()
             supervisor.wait()
+
+
+def _all_answer(base: str, body: dict[str, object], expected: str, count: int) -> bool:
+    """``count`` requests in a row, on new connections, all answered with ``expected``."""
+    for _ in range(count):
+        response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        if response.status_code != 200 or response.json()["choices"][0]["message"]["content"] != expected:
+            return False
+    return True
 
 
 def _ready(base: str) -> bool:
