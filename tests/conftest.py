@@ -52,6 +52,14 @@ class RunningGateway:
     def driver_in_flight(self, backend: str = "reference") -> int:
         return self.state.backends[backend].driver.in_flight  # type: ignore[attr-defined]
 
+    def engine_tokens(self, backend: str = "reference") -> int:
+        """Tokens the engine has generated so far (every output its ``step()`` returned)."""
+        return self.state.backends[backend].driver.stats.tokens  # type: ignore[attr-defined]
+
+    def engine_idle(self, backend: str = "reference") -> bool:
+        """The engine holds no request and the driver no stream: every request ended or was aborted."""
+        return self.engine_unfinished(backend) == 0 and self.driver_in_flight(backend) == 0
+
 
 def start_gateway(
     config: GatewayConfig,
@@ -108,6 +116,23 @@ def gateway() -> Iterator[RunningGateway]:
             {"name": MODEL, "backends": ["reference"]},
             {"name": TINY_MODEL, "backends": ["tiny"]},
         ],
+    )
+    running = start_gateway(config)
+    yield running
+    stop_gateway(running)
+
+
+TIMED_STEP = 0.002
+"""Seconds per decode step of the timed engine: 2,000 tokens take 4 s, so an abort that never reaches the engine
+shows in its counters, while the engine still outruns a loop serving 100 streams (which then paces it)."""
+
+
+@pytest.fixture(scope="session")
+def timed_gateway() -> Iterator[RunningGateway]:
+    """The reference model on an engine with a timing model, for tests about aborting engine work."""
+    config = GatewayConfig(
+        backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": TIMED_STEP}}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
     )
     running = start_gateway(config)
     yield running

@@ -20,6 +20,13 @@ class InvalidRequestError(BackendError):
     """The request cannot be served as asked (a client mistake)."""
 
 
+class SlowClientError(InvalidRequestError):
+    """The client did not take its output: more of it waited than the gateway holds for one request (or the
+    connection took nothing for the stall timeout), so the request was stopped. Not the backend's fault."""
+
+    code = "slow_client"
+
+
 class ContextLengthExceededError(InvalidRequestError):
     """Prompt plus requested output does not fit the model's context window."""
 
@@ -50,6 +57,12 @@ class UnavailableError(BackendError):
 
 class UpstreamError(BackendError):
     """The engine or upstream server failed while serving the request."""
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The upstream answered something that breaks its protocol (a malformed or wrongly shaped chunk)."""
+
+    code = "upstream_protocol_error"
 
 
 class BackendTimeoutError(BackendError):

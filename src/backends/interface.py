@@ -57,6 +57,7 @@ class GenerateRequest:
     n: int = 1
     echo: bool = False
     deadline: float | None = None  # time.monotonic() value after which the work is abandoned
+    max_buffered_tokens: int | None = None  # most output a backend holds for a client that does not read; None: no cap
     user: str | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI tools list
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from backends.interface import Backend, Event, GenerateRequest
@@ -28,8 +29,10 @@ class AdmittedBackend:
         await self.gate.acquire()
         started = time.monotonic()
         try:
-            async for event in self.backend.generate(request):
-                yield event
+            # Closed here, not by the garbage collector: the backend's work is aborted before the slot is free.
+            async with aclosing(self.backend.generate(request)) as events:
+                async for event in events:
+                    yield event
         finally:
             self.gate.release(time.monotonic() - started)
 

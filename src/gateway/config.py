@@ -60,6 +60,15 @@ class ServerConfig(BaseModel):
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     request_timeout: float | None = Field(600.0, gt=0, description="total deadline of one request, seconds")
     idle_timeout: float | None = Field(120.0, gt=0, description="longest wait for the next token, seconds")
+    stream_buffer_tokens: int | None = Field(
+        2048,
+        ge=16,
+        description="most output tokens held for one request whose client has not taken them; beyond: the "
+        "request is stopped (slow_client); null: no bound",
+    )
+    stall_timeout: float | None = Field(
+        30.0, gt=0, description="seconds a stream may wait for its client to accept data before it is stopped"
+    )
     gc_tuning: bool = Field(True, description="gc.freeze() after start-up and a larger young-generation threshold")
     header_timeout: float | None = Field(
         10.0,

@@ -17,6 +17,7 @@ from backends.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     OverloadedError,
+    SlowClientError,
     UnavailableError,
     UpstreamError,
 )
@@ -57,6 +58,8 @@ def api_error_from_backend(exc: BackendError) -> APIError:
     headers = {"Retry-After": str(max(1, round(retry)))} if retry is not None else {}
     if isinstance(exc, ModelNotFoundError):
         return APIError(404, exc.message, param="model", code=exc.code or "model_not_found")
+    if isinstance(exc, SlowClientError):
+        return APIError(408, exc.message, code=exc.code)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, OverloadedError | UnavailableError):

@@ -15,6 +15,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from backends.engine.driver import DriverStats
+
 if TYPE_CHECKING:
     from backends.interface import Backend
     from gateway.state_store import SharedStateStore
@@ -122,6 +124,13 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "gateway_requests_in_flight", "Requests being served.", labels, registry=r, multiprocess_mode="livesum"
         )
+        self.stalls = Counter(
+            "gateway_stream_stalls",
+            "Requests stopped because their client did not take its output (buffer_full: more than "
+            "server.stream_buffer_tokens waited; send_timeout: no data accepted for server.stall_timeout).",
+            (*labels, "reason"),
+            registry=r,
+        )
         self.errors = Counter(
             "gateway_request_errors", "Requests that ended in an error, by error code.", (*labels, "code"), registry=r
         )
@@ -198,6 +207,11 @@ class RequestObserver:
         self.log["backend"] = backend
         self._metrics.in_flight.labels(*self._labels).inc()
 
+    def stalled(self, reason: str) -> None:
+        """The client did not keep up and its request was stopped (``buffer_full`` or ``send_timeout``)."""
+        if not self._done:
+            self._metrics.stalls.labels(*self._labels, reason).inc()
+
     def first_token(self) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
@@ -249,6 +263,11 @@ class _BackendCollector(Collector):
         inside = CounterMetricFamily(
             "gateway_engine_step_seconds", "Engine-thread time inside step() and flush.", labels=["backend"]
         )
+        paced = CounterMetricFamily(
+            "gateway_engine_backpressure_seconds",
+            "Engine-thread time waiting for the event loop to take earlier outputs (the loop is the bottleneck).",
+            labels=["backend"],
+        )
         running = GaugeMetricFamily(
             "gateway_engine_requests", "Requests registered with the engine driver.", labels=["backend"]
         )
@@ -270,10 +289,12 @@ class _BackendCollector(Collector):
             if driver is not None:
                 steps.add_metric([backend.name], driver.stats.steps)
                 tokens.add_metric([backend.name], driver.stats.tokens)
+                if isinstance(driver.stats, DriverStats):
+                    paced.add_metric([backend.name], driver.stats.backpressure_seconds)
                 busy.add_metric([backend.name], driver.stats.busy_seconds)
                 inside.add_metric([backend.name], driver.stats.engine_seconds)
                 running.add_metric([backend.name], driver.in_flight)
-        yield from (ready, steps, tokens, busy, inside, running, admitted, queued, rejected)
+        yield from (ready, steps, tokens, busy, inside, paced, running, admitted, queued, rejected)
         yield from self._engine_samples()
         yield from self._backend_families()
 

@@ -81,6 +81,7 @@ class RequestContextMiddleware:
             await send(message)
 
         limit = self.max_body_bytes
+        left_mid_body = False
         try:
             if self.draining() and scope["path"].startswith("/v1/") and scope["method"] == "POST":
                 await _send_error(
@@ -94,14 +95,18 @@ class RequestContextMiddleware:
                 await _send_error(send_with_id, APIError(413, str(too_large.detail), code="request_too_large"))
                 return
             received = 0
+            body_done = False
 
             async def limited_receive() -> Message:
-                nonlocal received
+                nonlocal received, body_done, left_mid_body
                 message = await receive()
                 if message["type"] == "http.request":
                     received += len(message.get("body", b""))
                     if received > limit:
                         raise BodyTooLargeError(limit)
+                    body_done = not message.get("more_body", False)
+                elif not body_done:  # the client left while sending its body: not a bad body, a client gone
+                    left_mid_body = True
                 return message
 
             await self.app(scope, limited_receive, send_with_id)
@@ -110,6 +115,9 @@ class RequestContextMiddleware:
             # backend's verdict); any other (bad JSON, validation 400, unknown model, 401, 413, 500) is counted here.
             routed = "status" in log
             final_status = log.pop("status", status)
+            if left_mid_body and not routed:  # whatever the app made of the cut body, the client is gone
+                final_status = 499
+                log["error_code"] = "client_disconnected"
             if self.metrics is not None and not routed:
                 self.metrics.count_unrouted(final_status, log.get("error_code"))
             if self.access_log:

@@ -8,15 +8,20 @@ wins, the event iterator is closed, which aborts the engine request.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import Any, NamedTuple, Protocol, TypeVar
 
+import anyio
 import orjson
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import SendTimeoutError
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
-from backends.errors import BackendError, BackendTimeoutError
+from backends.errors import BackendError, BackendTimeoutError, SlowClientError
 from backends.interface import Delta, Event, Finish, PromptEcho, Usage
 from backends.streams import interleave
 from gateway.errors import api_error_from_backend, error_payload
@@ -24,7 +29,12 @@ from gateway.metrics import RequestObserver
 from gateway.openai.responses import DONE_FRAME, sse_frame
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
+SLOW_CLIENT_STATUS = 408  # logged for a stream stopped because its client did not read
+INTERNAL_ERROR_FRAME = sse_frame(
+    error_payload("The server had an error processing your request.", "server_error", None, "internal_error")
+)
 
 
 class ClientDisconnectedError(Exception):
@@ -34,6 +44,7 @@ class ClientDisconnectedError(Exception):
 class Timeouts(NamedTuple):
     total: float | None  # seconds from arrival to the last token
     idle: float | None  # seconds between two events (the first token included)
+    stall: float | None = None  # seconds one send to a streaming client may block before the stream is stopped
 
 
 class _Deadline:
@@ -128,6 +139,54 @@ def error_frame(exc: BackendError) -> bytes:
     return sse_frame(error_payload(error.message, error.type, error.param, error.code))
 
 
+class _Outcome:
+    """How a stream ended, as far as its frames generator knows; ``None`` status: it was interrupted."""
+
+    __slots__ = ("code", "status", "usage")
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.code: str | None = None
+        self.usage: Usage | None = None
+
+
+class _EventStream(EventSourceResponse):
+    """sse-starlette's response that records the request once it is over, whichever way it ended.
+
+    A send that blocks past the stall timeout (``send_timeout``) means a client that does not read: its stream is
+    closed (its frames generator was closed, aborting the backend's work) and counted as a stall instead of
+    surfacing as a crash of the application.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], outcome: _Outcome, observer: RequestObserver, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._outcome = outcome
+        self._observer = observer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stalled = False
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            stalled = True
+        finally:
+            self._record(stalled)
+
+    def _record(self, stalled: bool) -> None:
+        outcome, observer = self._outcome, self._observer
+        usage = outcome.usage
+        tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+        if stalled:
+            observer.stalled("send_timeout")
+            observer.finish(SLOW_CLIENT_STATUS, *tokens, "stream_stalled")
+        elif outcome.status is None:  # the client went away (or the server is stopping and cancelled the stream)
+            observer.finish(CLIENT_CLOSED_REQUEST, *tokens, "client_disconnected")
+        else:
+            if outcome.code == SlowClientError.code:
+                observer.stalled("buffer_full")
+            observer.finish(outcome.status, *tokens, outcome.code)
+
+
 async def stream_response(
     request: Request,
     events: AsyncIterator[Event],
@@ -138,8 +197,9 @@ async def stream_response(
     headers: dict[str, str],
     timeouts: Timeouts | None = None,
 ) -> Response:
-    """SSE response. Errors before the first token are plain HTTP errors; later ones are an error frame
-    followed by ``[DONE]``."""
+    """SSE response. Errors before the first token are plain HTTP errors; any later failure is an error frame
+    followed by ``[DONE]``. A client that leaves stops the stream at its next event, whatever the load (the
+    stream checks the response's ``active`` flag, which sse-starlette clears on ``http.disconnect``)."""
     deadline = _Deadline(timeouts) if timeouts else None
     try:
         head = await unless_disconnected(request, _first_token_events(events, deadline))
@@ -147,16 +207,12 @@ async def stream_response(
         await events.aclose()
         _observe_failure(observer, exc)
         raise
+    outcome = _Outcome()
 
     async def frames() -> AsyncIterator[bytes]:
-        usage: Usage | None = None
-        status = 200
-        code: str | None = None
-
         def render(event: Event) -> bytes | None:
-            nonlocal usage
             if isinstance(event, Usage):
-                usage = event
+                outcome.usage = event
                 return fmt.usage_frame(event) if include_usage else None
             if isinstance(event, Delta):
                 observer.first_token()
@@ -167,27 +223,33 @@ async def stream_response(
                 frame = render(event)
                 if frame is not None:
                     yield frame
-            while True:
+            while response.active:
                 try:
                     event = await _next_event(events, deadline)
                 except StopAsyncIteration:
+                    outcome.status = 200
                     break
                 frame = render(event)
                 if frame is not None:
                     yield frame
         except BackendError as exc:
             error = api_error_from_backend(exc)
-            status, code = error.status, error.code or error.type
+            outcome.status, outcome.code = error.status, error.code or error.type
             yield error_frame(exc)
-        except (asyncio.CancelledError, GeneratorExit):
-            status, code = CLIENT_CLOSED_REQUEST, "client_disconnected"
-            raise
+        except Exception:
+            logger.exception("stream of request %s failed after its first frame", request.state.request_id)
+            outcome.status, outcome.code = 500, "internal_error"
+            yield INTERNAL_ERROR_FRAME
         finally:
-            await events.aclose()
-            observer.finish(status, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0, code)
-        yield DONE_FRAME
+            with anyio.CancelScope(shield=True):  # a cancelled stream must still abort its backend work
+                await events.aclose()
+        if outcome.status is not None:
+            yield DONE_FRAME
 
-    return EventSourceResponse(frames(), headers=headers, ping=15)
+    response = _EventStream(
+        frames(), outcome, observer, headers=headers, ping=15, send_timeout=timeouts.stall if timeouts else None
+    )
+    return response
 
 
 async def whole_response(
@@ -232,6 +294,8 @@ def _observe_failure(observer: RequestObserver, exc: BaseException) -> None:
     if isinstance(exc, ClientDisconnectedError | asyncio.CancelledError):
         observer.finish(CLIENT_CLOSED_REQUEST, code="client_disconnected")
     elif isinstance(exc, BackendError):
+        if isinstance(exc, SlowClientError):
+            observer.stalled("buffer_full")
         error = api_error_from_backend(exc)
         observer.finish(error.status, code=error.code or error.type)
     else:
@@ -242,10 +306,11 @@ async def merge_prompts(streams: list[AsyncIterator[Event]], n: int) -> AsyncIte
     """Runs one event stream per prompt concurrently, renumbering choices ``prompt_index * n + i`` and
     adding the usages up, as OpenAI does for a list of prompts."""
     prompt_tokens = completion_tokens = 0
-    async for index, event in interleave(streams):
-        if isinstance(event, Usage):
-            prompt_tokens += event.prompt_tokens
-            completion_tokens += event.completion_tokens
-        else:
-            yield event._replace(index=index * n + event.index)
+    async with aclosing(interleave(streams)) as merged:
+        async for index, event in merged:
+            if isinstance(event, Usage):
+                prompt_tokens += event.prompt_tokens
+                completion_tokens += event.completion_tokens
+            else:
+                yield event._replace(index=index * n + event.index)
     yield Usage(prompt_tokens, completion_tokens)

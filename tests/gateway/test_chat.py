@@ -7,7 +7,7 @@ import openai
 import orjson
 
 from ..conformance import OpenAISchemas
-from ..conftest import MODEL, RunningGateway
+from ..conftest import MODEL, RunningGateway, wait_until
 
 HELLO = [{"role": "user", "content": "Tell me about the module."}]
 
@@ -172,15 +172,27 @@ def test_stop_string_split_across_tokens_is_cut_and_never_emitted(client: openai
     assert stop not in "".join(streamed)
 
 
-def test_stop_string_match_aborts_the_engine_request(client: openai.OpenAI, gateway: RunningGateway) -> None:
-    _, tokens = _greedy_tokens(client, 30)
+def test_stop_string_match_aborts_the_engine_request(timed_gateway: RunningGateway) -> None:
+    timed = openai.OpenAI(base_url=f"{timed_gateway.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    _, tokens = _greedy_tokens(timed, 30)
     stop = tokens[2]
-    client.chat.completions.create(
-        model=MODEL, messages=HELLO, max_tokens=4000, temperature=0, stop=stop, extra_body={"ignore_eos": True}
-    )
-    from ..conftest import wait_until
-
-    assert wait_until(lambda: gateway.engine_unfinished() == 0)
+    for stream in (False, True):
+        before = timed_gateway.engine_tokens()
+        answer = timed.chat.completions.create(
+            model=MODEL,
+            messages=HELLO,
+            max_tokens=4000,
+            temperature=0,
+            stop=stop,
+            stream=stream,
+            extra_body={"ignore_eos": True},
+        )
+        if stream:
+            for _ in answer:  # type: ignore[union-attr]
+                pass
+        assert wait_until(timed_gateway.engine_idle)
+        # the stop string is in the third token: without an abort the engine would generate all 4,000
+        assert timed_gateway.engine_tokens() - before <= 400
 
 
 def test_multi_turn_system_developer_and_text_parts_are_accepted(client: openai.OpenAI) -> None:

@@ -31,6 +31,7 @@ class GatedChatTemplate:
     prompt stays "in preparation" for as long as the test needs to look at the gateway meanwhile."""
 
     features = DeepSeekV41ChatTemplate.features
+    output_markers = DeepSeekV41ChatTemplate.output_markers
 
     def __init__(self) -> None:
         self._real = DeepSeekV41ChatTemplate()

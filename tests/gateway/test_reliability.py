@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from tokenizers import Tokenizer
 
 from backends.config import ReferenceBackendConfig
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
-from backends.engine.backend import EngineBackend
+from backends.engine.backend import ChatPrompt, EngineBackend, OutputParser
+from backends.interface import GenerateRequest, SamplingOptions, ToolCallDelta
 from backends.reference.engine import ReferenceEngine, ReferenceEngineArgs
+from gateway.admission import AdmittedBackend
 from gateway.config import GatewayConfig
+from gateway.limits import AdmissionGate
 
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
 
@@ -39,13 +43,15 @@ def narrow() -> Iterator[RunningGateway]:
 
 
 def test_saturated_backend_answers_503_with_retry_after_and_never_queues_unboundedly(narrow: RunningGateway) -> None:
+    gate = narrow.state.backends["reference"].gate  # type: ignore[attr-defined]
+
     async def scenario() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=narrow.base_url, timeout=30) as client:
             body = {**LONG, "max_tokens": 200}
             running = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-            await asyncio.sleep(0.3)
+            assert await asyncio.to_thread(wait_until, lambda: gate.in_flight == 1)
             queued = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-            await asyncio.sleep(0.1)
+            assert await asyncio.to_thread(wait_until, lambda: gate.queued == 1)
             rejected = await client.post("/v1/chat/completions", json=body)
             return [rejected, await queued, await running]
 
@@ -147,10 +153,11 @@ def test_engine_crash_fails_its_requests_cleanly_and_leaves_other_backends_servi
         stop_gateway(running)
 
 
-def test_a_client_that_stops_reading_does_not_stall_other_streams(gateway: RunningGateway) -> None:
+def test_a_client_that_stops_reading_does_not_stall_other_streams(timed_gateway: RunningGateway) -> None:
     import socket
 
-    host, port = gateway.base_url.removeprefix("http://").split(":")
+    host, port = timed_gateway.base_url.removeprefix("http://").split(":")
+    before = timed_gateway.engine_tokens()
     stalled = socket.create_connection((host, int(port)))
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     payload = orjson.dumps({**LONG, "max_tokens": 3000, "stream": True})
@@ -161,8 +168,101 @@ def test_a_client_that_stops_reading_does_not_stall_other_streams(gateway: Runni
     )
     try:
         for _ in range(3):
-            reply = httpx.post(f"{gateway.base_url}/v1/chat/completions", json={**LONG, "max_tokens": 50}, timeout=30)
+            url = f"{timed_gateway.base_url}/v1/chat/completions"
+            reply = httpx.post(url, json={**LONG, "max_tokens": 50}, timeout=30)
             assert reply.status_code == 200
     finally:
         stalled.close()
-    assert wait_until(lambda: gateway.engine_unfinished() == 0, timeout=30)
+    assert wait_until(timed_gateway.engine_idle, timeout=30)
+    assert timed_gateway.engine_tokens() - before < 3000, "the stalled stream was aborted when its client left"
+
+
+class FaultyParser:
+    """Test double: the model family's output parser, failing with a bug (not a backend error) on its third step."""
+
+    def __init__(self, inner: OutputParser) -> None:
+        self._inner = inner
+        self._pushes = 0
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._inner.in_reasoning
+
+    @property
+    def called(self) -> bool:
+        return self._inner.called
+
+    def push(self, text: str) -> tuple[str, str, Sequence[ToolCallDelta]]:
+        self._pushes += 1
+        if self._pushes == 3:
+            raise RuntimeError("injected parser bug")
+        return self._inner.push(text)
+
+    def finish(self) -> tuple[str, str, Sequence[ToolCallDelta]]:
+        return self._inner.finish()
+
+
+class FaultyTemplate(DeepSeekV41ChatTemplate):
+    """The DeepSeek V4.1 chat template, whose parsers are ``FaultyParser``s."""
+
+    def render(self, request: GenerateRequest, tokenizer: Tokenizer) -> ChatPrompt:
+        prompt = super().render(request, tokenizer)
+        inner = prompt.parser
+        assert inner is not None
+        return prompt._replace(parser=lambda: FaultyParser(inner()))
+
+
+def test_any_failure_after_the_first_frame_ends_the_stream_with_an_error_frame_and_done() -> None:
+    def engine() -> ReferenceEngine:
+        return ReferenceEngine.from_engine_args(ReferenceEngineArgs(decode_seconds_per_step=0.002))
+
+    faulty = EngineBackend("reference", "reference", engine, FaultyTemplate())
+    running = start_gateway(_one_backend(), backends={"reference": faulty})
+    try:
+        before = running.engine_tokens()
+        url = f"{running.base_url}/v1/chat/completions"
+        with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=30) as response:
+            assert response.status_code == 200
+            data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        error = orjson.loads(data[-2])["error"]
+        assert error["code"] == "internal_error" and error["type"] == "server_error"
+        assert "injected" not in error["message"], "a bug's details stay in the log"
+        assert len(data) >= 3, "frames flowed before the failure"
+        assert wait_until(running.engine_idle)
+        assert running.engine_tokens() - before < 2000, "the engine request was aborted"
+        metrics = httpx.get(f"{running.base_url}/metrics").text
+        assert 'gateway_requests_total{backend="reference",model="deepinfer-reference",status="500"} 1.0' in metrics
+        assert 'code="internal_error"' in metrics
+    finally:
+        stop_gateway(running)
+
+
+async def test_an_admitted_request_aborts_its_engine_work_before_it_frees_its_slot() -> None:
+    def engine() -> ReferenceEngine:
+        return ReferenceEngine.from_engine_args(ReferenceEngineArgs(decode_seconds_per_step=0.002))
+
+    backend = EngineBackend("reference", "reference", engine, DeepSeekV41ChatTemplate())
+    await backend.start()
+    try:
+        seen: list[int] = []
+        gate = AdmissionGate("reference", 4, 0, 1.0)
+        release = gate.release
+
+        def recording_release(seconds: float) -> None:  # what the engine driver still holds when the slot frees
+            seen.append(backend.driver.in_flight)
+            release(seconds)
+
+        gate.release = recording_release  # type: ignore[method-assign]
+        request = GenerateRequest(
+            request_id="aclose",
+            model=MODEL,
+            messages=[{"role": "user", "content": "go"}],
+            sampling=SamplingOptions(max_tokens=2000, ignore_eos=True),
+        )
+        events = AdmittedBackend(backend, gate).generate(request)
+        await anext(events)
+        await events.aclose()
+        assert seen == [0], "the engine request was aborted before the slot was released"
+    finally:
+        await backend.stop()

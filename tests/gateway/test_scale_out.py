@@ -345,9 +345,9 @@ def _ready(base: str) -> bool:
 
 
 def _served(exposition: str) -> float:
-    """Requests counted with status 200, over every model and backend."""
+    """Chat requests served with status 200 (probes and scrapes are counted too, with an empty model)."""
     total = 0.0
     for line in exposition.splitlines():
-        if line.startswith("gateway_requests_total{") and 'status="200"' in line:
+        if line.startswith("gateway_requests_total{") and 'status="200"' in line and f'model="{MODEL}"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from backends.engine.buffer import OutputBuffer
 from backends.engine.detokenizer import IncrementalDetokenizer, TokenTable
 from backends.engine.driver import EngineDriver
 from backends.engine.prompts import (
@@ -28,6 +29,7 @@ from backends.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     OverloadedError,
+    SlowClientError,
     UnavailableError,
     UpstreamError,
 )
@@ -157,14 +159,11 @@ class EngineBackend:
         if scoring:
             params["prompt_logprobs"] = True
         prompt_array = np.asarray(prompt_ids, dtype=np.int32)
-        queue: asyncio.Queue[tuple[int, Sequence[EngineOutput] | BackendError]] = asyncio.Queue()
-        put = queue.put_nowait
-
-        def sink(index: int, item: Sequence[EngineOutput] | BackendError) -> None:
-            put((index, item))
-
         base = f"{request.request_id}#{next(self._ids)}"
         engine_ids = [f"{base}.{i}" for i in range(request.n)]
+        live = set(engine_ids)
+        outputs = OutputBuffer(request.max_buffered_tokens, lambda: self.driver.abort(list(live)))
+        sink = outputs.put
         make_parser = chat.parser if chat is not None else None
         reasoning_end = chat.reasoning_end_token if chat is not None else None
         choices = [
@@ -179,7 +178,6 @@ class EngineBackend:
             )
             for index in range(request.n)
         ]
-        live = set(engine_ids)
         try:
             for index, engine_id in enumerate(engine_ids):
                 seed = None if sampling.seed is None else sampling.seed + index
@@ -195,7 +193,7 @@ class EngineBackend:
             remaining = request.n
             echoed = [not scoring] * request.n
             while remaining:
-                index, item = await queue.get()
+                index, item = await outputs.get()
                 if isinstance(item, BackendError):
                     live.discard(engine_ids[index])
                     raise _blame_constraint(item, chat)
@@ -300,7 +298,13 @@ async def _encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) 
 
 def _blame_constraint(error: BackendError, chat: ChatPrompt | None) -> BackendError:
     """An engine's refusal of a constrained request names the request field that asked for the constraint."""
-    if isinstance(error, InvalidRequestError) and error.param is None and chat is not None and chat.so_param:
+    if (
+        isinstance(error, InvalidRequestError)
+        and not isinstance(error, SlowClientError)
+        and error.param is None
+        and chat is not None
+        and chat.so_param
+    ):
         error.param = chat.so_param
     return error
 

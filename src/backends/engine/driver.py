@@ -5,6 +5,12 @@ the next ``step()``. The driver owns that thread: it drains an inbox of add/abor
 work exists, flushes once when the engine goes idle, then blocks on the inbox. Each step's outputs are
 handed to the event loop with exactly one ``call_soon_threadsafe``; grouping, detokenizing and parsing
 happen on the loop, never on the engine thread.
+
+Backpressure: the engine thread runs at most ``STEPS_AHEAD`` hand-offs ahead of the loop. A hand-off counts as
+taken once the loop has run it and then every stream task it woke (a ``call_soon`` queued behind them), so the
+engine cannot bury a busy loop under outputs it has no time to send: memory stays bounded and the loop keeps
+the time to notice clients that leave. Streams whose clients do not read are not waited for (their tasks sleep
+on the socket); their own buffers bound them (``backends.engine.buffer``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 Sink = Callable[[int, Sequence[EngineOutput] | BackendError], None]
 """Receives, on the event loop, a choice index and either that step's outputs or a terminal error."""
+
+STEPS_AHEAD = 2
+"""Hand-offs the engine thread may have made that the event loop has not yet taken (see the module docstring)."""
 
 
 @dataclass(slots=True)
@@ -56,6 +65,8 @@ class DriverStats:
     """Engine-thread time not spent waiting for work: engine calls plus the driver's own bookkeeping."""
     engine_seconds: float = 0.0
     """The part of ``busy_seconds`` spent inside the engine's ``step()`` / ``flush_inflight_reqs()``."""
+    backpressure_seconds: float = 0.0
+    """Engine-thread time spent waiting for the event loop to take earlier outputs (not part of ``busy_seconds``)."""
 
 
 class EngineDriver:
@@ -69,6 +80,8 @@ class EngineDriver:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine: Engine | None = None
+        self._credits = threading.Semaphore(STEPS_AHEAD)
+        self._stopping = False
         self.stats = DriverStats()
         self.failure: str | None = None
         """Why the engine is not usable (construction or step failed), for readiness."""
@@ -94,7 +107,9 @@ class EngineDriver:
         for request_id in list(self._sinks):
             self._fail(request_id, UnavailableError(f"backend {self.name!r} is shutting down"))
         if self._thread is not None and self._thread.is_alive():
+            self._stopping = True
             self._inbox.put(_Stop())
+            self._credits.release()  # the engine thread may be waiting for a loop that no longer takes outputs
             await asyncio.to_thread(self._thread.join)
 
     def add(
@@ -120,23 +135,27 @@ class EngineDriver:
     # ---- event-loop side -------------------------------------------------------------------------
 
     def _dispatch(self, outputs: Sequence[EngineOutput], errors: list[tuple[str, BackendError]]) -> None:
-        grouped: dict[str, list[EngineOutput]] = {}
-        for out in outputs:
-            group = grouped.get(out.request_id)
-            if group is None:
-                grouped[out.request_id] = [out]
-            else:
-                group.append(out)
-        sinks = self._sinks
-        for request_id, group in grouped.items():
-            entry = sinks.get(request_id)
-            if entry is None:
-                continue  # aborted: late outputs are dropped
-            if group[-1].finished:
-                del sinks[request_id]
-            entry[0](entry[1], group)
-        for request_id, error in errors:
-            self._fail(request_id, error)
+        try:
+            grouped: dict[str, list[EngineOutput]] = {}
+            for out in outputs:
+                group = grouped.get(out.request_id)
+                if group is None:
+                    grouped[out.request_id] = [out]
+                else:
+                    group.append(out)
+            sinks = self._sinks
+            for request_id, group in grouped.items():
+                entry = sinks.get(request_id)
+                if entry is None:
+                    continue  # aborted: late outputs are dropped
+                if group[-1].finished:
+                    del sinks[request_id]
+                entry[0](entry[1], group)
+            for request_id, error in errors:
+                self._fail(request_id, error)
+        finally:
+            # Queued behind the stream tasks this hand-off woke, so it runs once they have sent what they got.
+            asyncio.get_running_loop().call_soon(self._credits.release)
 
     def _fail(self, request_id: str, error: BackendError) -> None:
         entry = self._sinks.pop(request_id, None)
@@ -177,9 +196,19 @@ class EngineDriver:
         stats = self.stats
         clock = time.perf_counter
         dispatch = self._dispatch
+        credits = self._credits
+
+        def hand_off(outputs: Sequence[EngineOutput], errors: list[tuple[str, BackendError]]) -> None:
+            if not self._stopping and not credits.acquire(blocking=False):
+                waiting = clock()
+                credits.acquire()  # the loop is STEPS_AHEAD hand-offs behind: wait for it
+                stats.backpressure_seconds += clock() - waiting
+            loop.call_soon_threadsafe(dispatch, outputs, errors)
+
         needs_flush = False
         command: _Add | _Abort | _Stop | None = None
         awake = clock()
+        paced = stats.backpressure_seconds  # waits for the loop are not busy time
         while True:
             errors: list[tuple[str, BackendError]] = []
             aborts: list[str] = []
@@ -211,20 +240,22 @@ class EngineDriver:
                 needs_flush = False
             else:
                 if errors:
-                    loop.call_soon_threadsafe(dispatch, (), errors)
-                stats.busy_seconds += clock() - awake
+                    hand_off((), errors)
+                stats.busy_seconds += clock() - awake - (stats.backpressure_seconds - paced)
                 command = inbox.get()  # idle: block until there is work
                 awake = clock()
+                paced = stats.backpressure_seconds
                 continue
             after_step = clock()
             stats.steps += 1
             if outputs or errors:
                 stats.tokens += len(outputs)
-                loop.call_soon_threadsafe(dispatch, outputs, errors)
+                hand_off(outputs, errors)
             now = clock()
             stats.engine_seconds += after_step - before_step
-            stats.busy_seconds += now - awake
+            stats.busy_seconds += now - awake - (stats.backpressure_seconds - paced)
             awake = now
+            paced = stats.backpressure_seconds
 
 
 def _add(engine: Engine, command: _Add) -> BackendError | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -205,8 +206,10 @@ class LMDeployBackend:
         self, request: GenerateRequest, plan: UpstreamPlan, model: str | None, progress: _Progress
     ) -> AsyncIterator[Delta | Finish | _ChoiceDone]:
         """Runs the n choices concurrently (one upstream request each) and interleaves their events."""
-        async for _, event in interleave([self._choice(request, plan, i, model, progress) for i in range(request.n)]):
-            yield event
+        choices = [self._choice(request, plan, i, model, progress) for i in range(request.n)]
+        async with aclosing(interleave(choices)) as merged:
+            async for _, event in merged:
+                yield event
 
     async def _choice(
         self, request: GenerateRequest, plan: UpstreamPlan, index: int, model: str | None, progress: _Progress
@@ -226,8 +229,9 @@ class LMDeployBackend:
                 )
             tried.add(node)
             try:
-                async for event in self._attempt(node, request, plan, index, model):
-                    yield event
+                async with aclosing(self._attempt(node, request, plan, index, model)) as attempt:
+                    async for event in attempt:
+                        yield event
                 self.pool.succeeded(node)
                 return
             except UpstreamFailure as failure:
@@ -280,7 +284,7 @@ class LMDeployBackend:
                     )
                     if response.status != 200:
                         raise failure_from_status(response.status, await _bounded_body(response), node.url)
-                    reader = SSEReader(response.content)
+                    reader = SSEReader(response.content, node=node.url)
                     payload = await reader.next()
             except TimeoutError:
                 raise _timeout_failure(node, "first byte", loop.time() >= deadline, retryable=True) from None

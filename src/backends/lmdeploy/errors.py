@@ -19,6 +19,7 @@ from backends.errors import (
     ModelNotFoundError,
     UnavailableError,
     UpstreamError,
+    UpstreamProtocolError,
 )
 
 # LMDeploy's request fields that differ from the ones the client sent.
@@ -122,8 +123,10 @@ def failure_from_error(status: int, message: str, param: str | None, node: str) 
 
 
 def node_failure(message: str, *, kind: str, retryable: bool = True) -> UpstreamFailure:
-    """An upstream failure that is the node's fault (retryable on another node before the first byte)."""
-    return UpstreamFailure(UpstreamError(message), retryable=retryable, node_fault=True, kind=kind)
+    """An upstream failure that is the node's fault (retryable on another node before the first byte); a
+    ``protocol`` failure (a chunk or event the node should never send) is an ``UpstreamProtocolError``."""
+    error = UpstreamProtocolError(message) if kind == "protocol" else UpstreamError(message)
+    return UpstreamFailure(error, retryable=retryable, node_fault=True, kind=kind)
 
 
 def failure_from_frame(error: Any, node: str) -> UpstreamFailure:

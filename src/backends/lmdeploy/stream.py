@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 
@@ -26,14 +26,27 @@ class ByteSource(Protocol):
     async def readany(self) -> bytes: ...
 
 
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+"""The largest SSE event the gateway reads from a node (LMDeploy's final chunk can be large, never this large)."""
+
+
 class SSEReader:
-    """Splits a body into the payloads of its ``data:`` lines, one per event; comments and blank events skipped."""
+    """Splits a body into the payloads of its ``data:`` lines, one per event; comments and blank events skipped.
 
-    __slots__ = ("_buffer", "_payloads", "_source")
+    The unfinished event waits in one buffer that only grows by what arrives (each byte is scanned for the event
+    boundary once) and never beyond ``max_event_bytes``: a node that sends more without ending an event fails
+    the request as a protocol error.
+    """
 
-    def __init__(self, source: ByteSource) -> None:
+    __slots__ = ("_buffer", "_carry", "_max", "_node", "_payloads", "_scanned", "_source")
+
+    def __init__(self, source: ByteSource, *, max_event_bytes: int = MAX_EVENT_BYTES, node: str = "?") -> None:
         self._source = source
-        self._buffer = b""
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer known to hold no event boundary
+        self._carry = b""  # a trailing CR, kept until the next read tells whether a LF follows it
+        self._max = max_event_bytes
+        self._node = node
         self._payloads: deque[bytes] = deque()
 
     async def next(self) -> bytes | None:
@@ -42,12 +55,13 @@ class SSEReader:
         while not payloads:
             chunk = await self._source.readany()
             if not chunk:
-                if self._buffer.strip():
-                    self._split(self._buffer + b"\n\n")
-                    self._buffer = b""
+                if self._carry or self._buffer.strip():
+                    self._feed(b"\n\n")
+                    self._buffer.clear()
+                    self._scanned = 0
                     continue
                 return None
-            self._split(self._buffer + chunk)
+            self._feed(chunk)
         return payloads.popleft()
 
     async def drain(self) -> None:
@@ -55,19 +69,39 @@ class SSEReader:
         while await self._source.readany():
             pass
 
-    def _split(self, data: bytes) -> None:
-        if b"\r" in data:
-            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *events, self._buffer = data.split(b"\n\n")
-        for event in events:
-            if event.startswith(b"data:") and b"\n" not in event:  # the usual case: one data line
-                self._payloads.append(event[6:] if event[5:6] == b" " else event[5:])
-                continue
-            lines = [
-                line[6:] if line[5:6] == b" " else line[5:] for line in event.split(b"\n") if line.startswith(b"data:")
-            ]
-            if lines:
-                self._payloads.append(b"\n".join(lines))
+    def _feed(self, chunk: bytes) -> None:
+        if self._carry:
+            chunk = self._carry + chunk
+            self._carry = b""
+        if b"\r" in chunk:
+            if chunk.endswith(b"\r"):
+                self._carry = b"\r"
+                chunk = chunk[:-1]
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        buffer = self._buffer
+        buffer += chunk
+        start = 0
+        search = max(self._scanned - 1, 0)  # a boundary may straddle the old end
+        while (end := buffer.find(b"\n\n", search)) != -1:
+            self._event(bytes(buffer[start:end]))
+            start = search = end + 2
+        if start:
+            del buffer[:start]
+        self._scanned = len(buffer)
+        if len(buffer) > self._max:
+            raise node_failure(
+                f"LMDeploy node {self._node} sent an SSE event larger than {self._max} bytes", kind="protocol"
+            )
+
+    def _event(self, event: bytes) -> None:
+        if event.startswith(b"data:") and b"\n" not in event:  # the usual case: one data line
+            self._payloads.append(event[6:] if event[5:6] == b" " else event[5:])
+            return
+        lines = [
+            line[6:] if line[5:6] == b" " else line[5:] for line in event.split(b"\n") if line.startswith(b"data:")
+        ]
+        if lines:
+            self._payloads.append(b"\n".join(lines))
 
 
 def token_text(token: str, raw: Sequence[int], byte_level: bool) -> tuple[str, list[int]]:
@@ -124,6 +158,34 @@ def finish_failure(reason: str, node: str) -> UpstreamFailure:
 OPENAI_FINISH = frozenset({"stop", "length", "tool_calls"})
 
 
+class _Parts(NamedTuple):
+    """What one chunk says about its choice, before stop strings are applied."""
+
+    text: str
+    reasoning: str
+    tool_calls: list[ToolCallDelta] | None
+    logprobs: list[TokenLogprob] | None
+    reason: str | None
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected text, got {type(value).__name__}")
+    return value
+
+
+def _count(value: object) -> int:
+    if not isinstance(value, int) or value < 0:
+        raise TypeError(f"expected a token count, got {value!r}")
+    return value
+
+
+def _reason(value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"expected a finish reason, got {type(value).__name__}")
+    return value
+
+
 class ChoiceStream:
     """One upstream choice: LMDeploy chunks in, events out, with the gateway's stop strings applied.
 
@@ -172,20 +234,25 @@ class ChoiceStream:
             raise node_failure(message, kind="protocol")
         if "error" in chunk:
             raise failure_from_frame(chunk["error"], self.node)
-        if self.chat:
-            return self._chat(chunk)
-        return self._generate(chunk)
+        try:
+            parts = self._chat(chunk) if self.chat else self._generate(chunk)
+        except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:  # valid JSON, wrong shape
+            message = f"LMDeploy node {self.node} sent a chunk of the wrong shape: {payload[:200]!r}"
+            raise node_failure(message, kind="protocol") from exc
+        if parts is None:
+            return []
+        return self._emit(*parts)
 
-    def _chat(self, chunk: dict[str, Any]) -> list[Delta | Finish]:
+    def _chat(self, chunk: dict[str, Any]) -> _Parts | None:
         usage = chunk.get("usage")
         if usage:
-            self.usage = (usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+            self.usage = (_count(usage.get("prompt_tokens", 0)), _count(usage.get("completion_tokens", 0)))
             details = usage.get("completion_tokens_details")
             if details and details.get("reasoning_tokens") is not None:
-                self.reasoning_tokens = details["reasoning_tokens"]
+                self.reasoning_tokens = _count(details["reasoning_tokens"])
         choices = chunk.get("choices")
         if not choices:
-            return []
+            return None
         choice = choices[0]
         ids = choice.get("output_ids")
         if ids:
@@ -207,18 +274,18 @@ class ChoiceStream:
             ]
         lp = choice.get("logprobs")
         logprobs = chat_logprobs(lp["content"], self.want_top, self.byte_level) if lp and lp.get("content") else None
-        return self._emit(text, reasoning, tool_calls, logprobs, choice.get("finish_reason"))
+        return _Parts(_text(text), _text(reasoning), tool_calls, logprobs, _reason(choice.get("finish_reason")))
 
-    def _generate(self, chunk: dict[str, Any]) -> list[Delta | Finish]:
+    def _generate(self, chunk: dict[str, Any]) -> _Parts:
         meta = chunk.get("meta_info") or {}
         prompt_tokens = meta.get("prompt_tokens")
         completion_tokens = meta.get("completion_tokens")
         if prompt_tokens is not None and completion_tokens is not None:
-            self.usage = (prompt_tokens, completion_tokens)
+            self.usage = (_count(prompt_tokens), _count(completion_tokens))
             self.tokens = completion_tokens
         finish = meta.get("finish_reason")
         reason = finish.get("type") if isinstance(finish, dict) else None
-        return self._emit(chunk.get("text") or "", "", None, None, reason)
+        return _Parts(_text(chunk.get("text") or ""), "", None, None, _reason(reason))
 
     def _emit(
         self,

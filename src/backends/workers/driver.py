@@ -419,6 +419,11 @@ class DataParallelDriver:
                 rank.report(m.RankStats(*message[3]))
                 rank.others = m.RankLoad(*message[4])
                 self._dispatch(rank, message[1], message[2])
+                # One step per turn: the next is read after the stream tasks this one woke have sent their frames,
+                # so a rank that outruns the loop cannot bury it (and clients that leave are noticed in time).
+                assert self._loop is not None
+                self._loop.call_soon(self._on_readable, index)
+                return
             elif kind == m.HEARTBEAT:
                 rank.report(m.RankStats(*message[1]))
                 rank.others = m.RankLoad(*message[2])

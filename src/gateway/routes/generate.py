@@ -39,7 +39,8 @@ async def _admit_client(request: Request, state: GatewayState, max_tokens: int |
 
 
 def _timeouts(state: GatewayState) -> Timeouts:
-    return Timeouts(state.config.server.request_timeout, state.config.server.idle_timeout)
+    server = state.config.server
+    return Timeouts(server.request_timeout, server.idle_timeout, server.stall_timeout)
 
 
 def _fingerprint(backend: Backend) -> str:
@@ -111,6 +112,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             max_tokens=body.output_limit(), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0
         ),
         n=body.n,
+        max_buffered_tokens=server.stream_buffer_tokens,
         user=body.user,
         tools=body.tools,
         tool_choice=body.tool_choice,
@@ -156,6 +158,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             sampling=sampling,
             n=body.n,
             echo=body.echo,
+            max_buffered_tokens=state.config.server.stream_buffer_tokens,
             user=body.user,
         )
         for prompt in prompts

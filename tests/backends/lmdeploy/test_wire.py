@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from backends.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError, UpstreamError
+from backends.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    UpstreamError,
+    UpstreamProtocolError,
+)
 from backends.interface import GenerateRequest, SamplingOptions
-from backends.lmdeploy.errors import failure_from_status
-from backends.lmdeploy.stream import SSEReader, token_text
+from backends.lmdeploy.errors import UpstreamFailure, failure_from_status
+from backends.lmdeploy.stream import ChoiceStream, SSEReader, token_text
 from backends.lmdeploy.translate import plan_request
+from gateway.routing.stream import counts_against_target, may_fall_back
 
 
 class Pieces:
@@ -104,3 +111,40 @@ def test_flat_error_bodies_map_to_typed_errors(status: int, body: bytes, error: 
     failure = failure_from_status(status, body, "http://node")
     assert type(failure.error) is error
     assert failure.error.param == param
+
+
+async def test_a_carriage_return_split_from_its_line_feed_is_one_line_ending() -> None:
+    assert await payloads(b"data: a\r", b"\n\r", b"\ndata: b\r\n\r\n") == [b"a", b"b"]
+
+
+async def test_an_sse_event_past_the_size_bound_is_a_protocol_failure_of_the_node() -> None:
+    reader = SSEReader(Pieces(b"data: " + b"x" * 100, b"x" * 100), max_event_bytes=150, node="n1")
+    with pytest.raises(UpstreamFailure) as caught:
+        await reader.next()
+    assert isinstance(caught.value.error, UpstreamProtocolError) and caught.value.node_fault
+
+
+@pytest.mark.parametrize(
+    ("chat", "chunk"),
+    [
+        (True, b'{"choices":[1]}'),
+        (True, b'{"usage":5}'),
+        (True, b'{"usage":{"prompt_tokens":"many","completion_tokens":1}}'),
+        (True, b'{"choices":[{"delta":{"content":5}}]}'),
+        (True, b'{"choices":[{"delta":{},"finish_reason":7}]}'),
+        (True, b'{"choices":[{"delta":{"tool_calls":[3]}}]}'),
+        (False, b'{"text":5}'),
+        (False, b'{"text":"a","meta_info":[1]}'),
+    ],
+)
+def test_json_chunks_of_the_wrong_shape_are_protocol_failures_that_count_against_the_node(
+    chat: bool, chunk: bytes
+) -> None:
+    stream = ChoiceStream(0, chat=chat, stops=[], want_top=0, byte_level=False, node="n1")
+    with pytest.raises(UpstreamFailure) as caught:
+        stream.feed(chunk)
+    failure = caught.value
+    assert failure.kind == "protocol" and failure.node_fault and failure.retryable  # node breaker, next node
+    assert isinstance(failure.error, UpstreamProtocolError)
+    # and for the gateway's routing: a target failure (breaker) that another target may serve (fallback)
+    assert counts_against_target(failure.error) and may_fall_back(failure.error)

@@ -1,0 +1,65 @@
+"""Where one request's engine outputs wait for its client: bounded, so a client that does not read cannot make the
+gateway hold more than a fixed number of tokens for it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from backends.engine.protocol import EngineOutput
+from backends.errors import BackendError, SlowClientError
+
+Item = tuple[int, Sequence[EngineOutput] | BackendError]
+
+
+class OutputBuffer:
+    """A FIFO of ``(choice index, step outputs or terminal error)`` fed by the engine driver's sink.
+
+    When more than ``limit`` tokens wait, the buffer drops them, calls ``on_overflow`` (which aborts the engine
+    requests, so nothing more arrives) and ends with a ``SlowClientError``: memory stays bounded whatever the
+    client does. ``limit`` ``None`` means no bound.
+    """
+
+    __slots__ = ("_items", "_limit", "_on_overflow", "_waiter", "overflowed", "tokens")
+
+    def __init__(self, limit: int | None, on_overflow: Callable[[], None]) -> None:
+        self._items: deque[Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._limit = limit
+        self._on_overflow = on_overflow
+        self.tokens = 0
+        """Tokens waiting now."""
+        self.overflowed = False
+
+    def put(self, index: int, item: Sequence[EngineOutput] | BackendError) -> None:
+        """The driver's sink (on the event loop)."""
+        if self.overflowed:
+            return
+        if not isinstance(item, BackendError):
+            self.tokens += len(item)
+            if self._limit is not None and self.tokens > self._limit:
+                self.overflowed = True
+                self._items.clear()
+                self.tokens = 0
+                item = SlowClientError(
+                    f"The client fell more than {self._limit} tokens behind its stream; the request was stopped."
+                )
+                self._on_overflow()
+        self._items.append((index, item))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Item:
+        items = self._items
+        while not items:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        index, item = items.popleft()
+        if not isinstance(item, BackendError):
+            self.tokens -= len(item)
+        return index, item
