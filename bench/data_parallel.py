@@ -2,18 +2,21 @@
 
 Starts the real gateway (``deepinfer-gateway serve``) over the reference engine with its timing model imitating a
 decode step (``--step`` seconds, ``--tokens-per-step`` tokens per request per step, ``--max-num-seqs`` slots per
-rank), once per layout: the engine in the gateway process (``inproc``), then 1, 2 and 4 worker processes. Each
-layout gets the same closed-loop load of streaming chat requests, and reports:
+rank), once per layout: the engine in the gateway process (``inproc``), then 1, 2 and 4 worker processes, and
+``RxF``: R rank workers shared by F front-end processes (``server.workers: F``; the supervisor hosts the ranks and
+every front end dispatches to all of them). Each layout gets the same closed-loop load of streaming chat requests,
+and reports:
 
 - tokens/s and requests/s;
 - the balance ratio: max / min requests dispatched per rank;
-- CPU per streamed token: the gateway process alone (user + system, all threads, from /proc) and its workers;
+- CPU per streamed token: the gateway's front-end process(es) (user + system, all threads, from /proc; with
+  several front ends, their sum plus the supervisor's) and its rank workers;
 - the share of the gateway's CPU per token spent turning engine outputs into text (detokenizing, stop matching:
   ``_Choice.consume``), measured offline on the same tokenizer, to decide whether that work should move into
   the workers.
 
 Usage: ``python bench/data_parallel.py --duration 15 --concurrency 256`` (add ``--lockstep --layouts 2,4`` for
-ranks that step together).
+ranks that step together; ``--layouts 2,2x2`` compares one and two front ends in front of two ranks).
 """
 
 from __future__ import annotations
@@ -57,6 +60,19 @@ def scrape(base_url: str) -> dict[str, float]:
     return out
 
 
+def is_rank_worker(pid: int) -> bool:
+    try:
+        return b"backends.workers.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def split_layout(layout: str) -> tuple[str, int]:
+    """``2x3`` -> ranks ``2``, 3 front ends; ``inproc`` and ``4`` have one front end."""
+    ranks, _, front_ends = layout.partition("x")
+    return ranks, int(front_ends or 1)
+
+
 def start_gateway(layout: str, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, Path]:
     backend: dict[str, Any] = {
         "name": "reference",
@@ -65,13 +81,14 @@ def start_gateway(layout: str, args: argparse.Namespace) -> tuple[subprocess.Pop
         "max_in_flight": None,
         "timing": {"decode_seconds_per_step": args.step, "tokens_per_step": args.tokens_per_step},
     }
-    if layout != "inproc":
-        backend["data_parallel_size"] = int(layout)
+    ranks, front_ends = split_layout(layout)
+    if ranks != "inproc":
+        backend["data_parallel_size"] = int(ranks)
         backend["worker_processes"] = True
         backend["lockstep"] = args.lockstep
     return serve_gateway(
         {
-            "server": {"access_log": False},
+            "server": {"access_log": False, "workers": front_ends},
             "backends": [backend],
             "models": [{"name": MODEL, "backends": ["reference"]}],
         },
@@ -156,12 +173,16 @@ def main() -> None:
     for layout in args.layouts.split(","):
         process, base_url, config = start_gateway(layout, args)
         try:
-            workers = children(process.pid)
+            for _ in range(20):  # new connections reach every front end: each must be ready
+                while httpx.get(f"{base_url}/ready").status_code != 200:
+                    time.sleep(0.2)
+            workers = [pid for pid in children(process.pid) if is_rank_worker(pid)]
+            front_ends = [process.pid] + [pid for pid in children(process.pid) if not is_rank_worker(pid)]
             before = scrape(base_url)
-            cpu0 = cpu_seconds(process.pid)
+            cpu0 = sum(cpu_seconds(pid) for pid in front_ends)
             wcpu0 = sum(cpu_seconds(w) for w in workers)
             load = asyncio.run(run_load(base_url, args.concurrency, args.duration, args.max_tokens))
-            cpu1 = cpu_seconds(process.pid)
+            cpu1 = sum(cpu_seconds(pid) for pid in front_ends)
             wcpu1 = sum(cpu_seconds(w) for w in workers)
             after = scrape(base_url)
         finally:
@@ -188,7 +209,7 @@ def main() -> None:
         balance = f"{row['balance_ratio']:.3f}" if row["balance_ratio"] else "-"
         worker_cpu = f"{row['worker_cpu_us_per_token']:.1f}" if row["worker_cpu_us_per_token"] else "-"
         print(
-            f"{layout:>6}: {row['tokens_per_second']:8.0f} tok/s  {row['requests_per_second']:6.1f} req/s  "
+            f"{layout:>7}: {row['tokens_per_second']:8.0f} tok/s  {row['requests_per_second']:6.1f} req/s  "
             f"balance {balance} {per_rank}  gateway {row['gateway_cpu_us_per_token']:.1f} us/tok "
             f"({row['gateway_cpu_utilisation']:.2f} cores)  workers {worker_cpu} us/tok",
             flush=True,

@@ -58,9 +58,10 @@ class ReferenceBackendConfig(_Preparation):
     )
     lockstep: bool = Field(False, description="ranks step together, as DeepInfer's DP collectives require")
     worker_transport: Literal["ipc", "tcp"] = Field("ipc", description="how local workers are reached")
-    worker_endpoints: list[Annotated[str, Field(pattern=r"^tcp://[^:/]+:\d+$")]] = Field(
+    worker_endpoints: list[Annotated[str, Field(pattern=r"^(tcp://[^:/]+:\d+|ipc:///.+)$")]] = Field(
         default_factory=list,
-        description="remote ranks started elsewhere (python -m backends.workers.worker), one tcp://host:port each",
+        description="ranks started elsewhere (python -m backends.workers.worker), one tcp://host:port (or "
+        "ipc:///path on this host) each",
     )
 
     @model_validator(mode="after")

@@ -1,5 +1,6 @@
 """Runs the app under uvicorn with the settings and shutdown behaviour a serving gateway needs: one process,
-or ``server.workers`` front-end processes sharing one listening socket under a small supervisor."""
+or ``server.workers`` front-end processes sharing one listening socket under a small supervisor, which also hosts
+the data-parallel rank workers once for all of them (``backends/workers/host.py``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import multiprocess
 
+from backends.config import BackendConfig, ReferenceBackendConfig
 from backends.heap import cap_mmap_threshold
+from backends.workers.host import RankHost
 from gateway.app import create_app
 from gateway.config import GatewayConfig, ServerConfig
 from gateway.connections import ConnectionGuard, ConnectionLimits
@@ -86,15 +89,25 @@ def run_server(settings: GatewayConfig) -> None:
         FrontEndSupervisor(settings).run()
 
 
+def hosted_ranks(backend: BackendConfig) -> bool:
+    """Whether the front-end supervisor starts this backend's rank workers (once, for every front end)."""
+    return isinstance(backend, ReferenceBackendConfig) and backend.uses_workers and not backend.worker_endpoints
+
+
 class FrontEndSupervisor:
     """Binds the port once and keeps ``server.workers`` gateway processes serving it: a worker that dies is
-    started again; SIGTERM/SIGINT is passed on to every worker, which drains as a single process would."""
+    started again; SIGTERM/SIGINT is passed on to every worker, which drains as a single process would.
+
+    Backends with engines in rank workers get their ranks started here, once: every front end connects to them as
+    one more dispatcher (``worker_endpoints``), so killing or restarting a front end leaves the ranks serving the
+    others. The ranks are stopped after the last front end has drained."""
 
     def __init__(self, settings: GatewayConfig) -> None:
         self.settings = settings
         self.stopping = False
         self.workers: list[multiprocessing.process.BaseProcess | None] = []
         """One slot per front-end process; None once a process has ended for good (while stopping)."""
+        self.hosts: list[RankHost] = []
 
     def _bind(self) -> socket.socket:
         server = self.settings.server
@@ -105,8 +118,24 @@ class FrontEndSupervisor:
         sock.set_inheritable(True)
         return sock
 
+    def _host_ranks(self, run_dir: str) -> GatewayConfig:
+        """Starts the ranks of every backend that has them; returns the settings the front ends run with (those
+        backends' ranks as ``worker_endpoints``)."""
+        from backends.reference.backend import reference_worker_plan
+
+        backends: list[BackendConfig] = []
+        for backend in self.settings.backends:
+            if hosted_ranks(backend):
+                assert isinstance(backend, ReferenceBackendConfig)
+                host = RankHost(backend.name, reference_worker_plan(backend), run_dir)
+                host.start()
+                self.hosts.append(host)
+                backend = backend.model_copy(update={"worker_endpoints": host.endpoints})
+            backends.append(backend)
+        return self.settings.model_copy(update={"backends": backends})
+
     def _start(self, sock: socket.socket) -> multiprocessing.process.BaseProcess:
-        worker = _spawn.Process(target=_serve, args=(self.settings, [sock]), daemon=False)
+        worker = _spawn.Process(target=_serve, args=(self.front_end_settings, [sock]), daemon=False)
         worker.start()
         logger.info("front-end process %s started", worker.pid)
         return worker
@@ -122,10 +151,15 @@ class FrontEndSupervisor:
         # Request metrics of every process go to files here, so a scrape answered by any process sums them all.
         metrics_dir = tempfile.mkdtemp(prefix="deepinfer-gateway-metrics-")
         os.environ[MULTIPROCESS_DIR_ENV] = metrics_dir
+        run_dir = tempfile.mkdtemp(prefix="deepinfer-gateway-ranks-")
         try:
+            self.front_end_settings = self._host_ranks(run_dir)
             self._supervise()
         finally:
+            for host in self.hosts:
+                host.stop()
             shutil.rmtree(metrics_dir, ignore_errors=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
 
     def _supervise(self) -> None:
         sock = self._bind()
@@ -134,7 +168,16 @@ class FrontEndSupervisor:
         self.workers = [self._start(sock) for _ in range(self.settings.server.workers)]
         logger.info("serving on %s:%s with %d front-end processes", *sock.getsockname()[:2], len(self.workers))
         while running := [w for w in self.workers if w is not None]:
-            ended = multiprocessing.connection.wait([w.sentinel for w in running])
+            waits = [host.timeout(time.monotonic()) for host in self.hosts]
+            due = [t for t in waits if t is not None]
+            descriptors: list[int] = [w.sentinel for w in running]
+            for host in self.hosts:
+                descriptors += host.descriptors()
+            ended = multiprocessing.connection.wait(descriptors, timeout=min(due) if due else None)
+            now = time.monotonic()
+            for host in self.hosts:
+                host.on_exited(ended, now)
+                host.relaunch_due(now)
             for position, worker in enumerate(self.workers):
                 if worker is None or worker.sentinel not in ended:
                     continue

@@ -187,8 +187,20 @@ def _gateway_children(supervisor: int) -> set[int]:
             command = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"resource_tracker" not in command:
+        if b"resource_tracker" not in command and b"backends.workers.worker" not in command:
             out.add(child)
+    return out
+
+
+def _rank_children(supervisor: int) -> set[int]:
+    """The rank worker processes the supervisor hosts for its front ends."""
+    out = set()
+    for child in _children(supervisor):
+        try:
+            if b"backends.workers.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.add(child)
+        except OSError:
+            continue
     return out
 
 
@@ -248,6 +260,81 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
             supervisor.wait()
         for child in _children(supervisor.pid) if supervisor.poll() is None else []:
             os.kill(child, signal.SIGKILL)
+
+
+def test_front_ends_share_the_rank_workers_the_supervisor_hosts_and_one_killed_leaves_them_serving(
+    tmp_path: Path,
+) -> None:
+    port = _free_port()
+    config = {
+        "server": {"port": port, "workers": 2},
+        "backends": [
+            {
+                "name": "reference",
+                "kind": "reference",
+                "data_parallel_size": 2,
+                "timing": {"decode_seconds_per_step": 0.01},
+            }
+        ],
+        "models": [{"name": MODEL, "backends": ["reference"]}],
+    }
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
+    log = (tmp_path / "supervisor.log").open("wb")
+    supervisor = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    seeded = {**CHAT, "max_tokens": 8, "seed": 11}
+
+    def answers(count: int) -> list[str]:
+        out = []
+        for _ in range(count):  # new connections, so the kernel spreads them over both processes
+            response = httpx.post(f"{base}/v1/chat/completions", json=seeded, timeout=60)
+            assert response.status_code == 200, response.text
+            out.append(response.json()["choices"][0]["message"]["content"])
+        return out
+
+    try:
+        assert wait_until(lambda: len(_gateway_children(supervisor.pid)) == 2, timeout=60)
+        assert wait_until(lambda: _ready(base), timeout=180)
+        ranks = _rank_children(supervisor.pid)
+        assert len(ranks) == 2, "one set of ranks for both front ends, started by the supervisor"
+        first = answers(8)
+        assert len(set(first)) == 1, "every front end, every rank: the same seeded answer"
+
+        victim = sorted(_gateway_children(supervisor.pid))[0]
+        os.kill(victim, signal.SIGKILL)
+        assert wait_until(lambda: victim not in _gateway_children(supervisor.pid), timeout=30)
+        assert answers(4) == first[:4], "the other front end keeps serving from the same ranks"
+        assert wait_until(
+            lambda: len(_gateway_children(supervisor.pid)) == 2 and victim not in _gateway_children(supervisor.pid),
+            timeout=60,
+        ), "the supervisor starts a new front end"
+        assert wait_until(lambda: _ready(base), timeout=60)
+        assert answers(6) == first[:6]
+        assert _rank_children(supervisor.pid) == ranks, "the ranks were neither restarted nor duplicated"
+
+        lost = sorted(ranks)[0]
+        os.kill(lost, signal.SIGKILL)  # a rank dies: the supervisor starts it again, every front end reconnects
+        assert wait_until(lambda: len(_rank_children(supervisor.pid) - ranks) == 1, timeout=60)
+        assert wait_until(lambda: _all_answer(base, seeded, first[0], 6), timeout=60)
+
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=180) == 0
+        assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks), timeout=30)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
+
+
+def _all_answer(base: str, body: dict[str, object], expected: str, count: int) -> bool:
+    """``count`` requests in a row, on new connections, all answered with ``expected``."""
+    for _ in range(count):
+        response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        if response.status_code != 200 or response.json()["choices"][0]["message"]["content"] != expected:
+            return False
+    return True
 
 
 def _ready(base: str) -> bool:

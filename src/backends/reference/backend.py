@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from backends.reference.engine import ReferenceEngine
+    from backends.workers.driver import WorkerPlan
     from backends.workers.worker import RankContext, RankEngine
 
 
@@ -49,11 +50,12 @@ def _make_engine(config: ReferenceBackendConfig, seed: int | None) -> ReferenceE
 # ---- data parallelism: N reference engines in worker processes (docs/data-parallel.md) ---------------------------
 
 
-def _build_data_parallel_backend(config: ReferenceBackendConfig) -> EngineBackend:
-    from backends.workers.backend import DataParallelBackend
+def reference_worker_plan(config: ReferenceBackendConfig) -> WorkerPlan:
+    """Where the ranks of ``config`` run and how each builds its engine (also used by the front-end supervisor,
+    which starts them once for all its front-end processes)."""
     from backends.workers.driver import WorkerPlan
 
-    plan = WorkerPlan(
+    return WorkerPlan(
         size=config.data_parallel_size,
         factory="backends.reference.backend:build_rank_engine",
         options=config.model_dump(mode="json"),
@@ -61,10 +63,15 @@ def _build_data_parallel_backend(config: ReferenceBackendConfig) -> EngineBacken
         transport=config.worker_transport,
         remote_endpoints=list(config.worker_endpoints),
     )
+
+
+def _build_data_parallel_backend(config: ReferenceBackendConfig) -> EngineBackend:
+    from backends.workers.backend import DataParallelBackend
+
     return DataParallelBackend(
         config.name,
         "reference",
-        plan,
+        reference_worker_plan(config),
         load_tokenizer,
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,

@@ -42,7 +42,7 @@ from backends.errors import BackendError, InvalidRequestError, OverloadedError, 
 from backends.workers import messages as m
 from backends.workers.balancer import RankBalancer
 from backends.workers.supervisor import Clock, RankSupervisor, RestartPolicy
-from backends.workers.worker import WorkerSpec
+from backends.workers.worker import DISPATCHER_LEASE_SECONDS, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ class WorkerPlan:
     large model from shared storage takes many minutes, and a deadline hit by a healthy start would repeat)."""
     heartbeat_timeout: float = 10.0
     """A rank silent this long is declared dead (workers report at least every second, and after each step)."""
+    lease_seconds: float = DISPATCHER_LEASE_SECONDS
+    """Local ranks: a dispatcher silent this long loses its requests on the rank (it pings every second)."""
 
 
 class _Entry:
@@ -105,6 +107,8 @@ class RankState:
         self.info: m.EngineInfo | None = None
         self.requests: set[str] = set()
         self.queued_tokens = 0
+        self.others = m.RankLoad(0, 0)  # what the rank holds for other dispatchers, as it last reported
+        self.hello_pending = False  # our RESET is not answered yet
         self.adds: list[list[Any]] = []
         self.aborts: list[str] = []
         self.stats: m.RankStats | None = None
@@ -196,6 +200,8 @@ class DataParallelDriver:
         self._heartbeat: asyncio.TimerHandle | None = None
         self._last_prompt: np.ndarray | None = None
         self._last_rank = -1
+        self.identity = f"{os.getpid()}-{os.urandom(4).hex()}".encode()
+        """This dispatcher's ZeroMQ routing id: ranks serving several front ends keep their requests apart by it."""
 
     # ---- the EngineDriver surface ----------------------------------------------------------------------------------
 
@@ -338,7 +344,11 @@ class DataParallelDriver:
         if prompt is self._last_prompt and self._usable(self.ranks[self._last_rank]):
             return self.ranks[self._last_rank]
         balancer = self.balancer
-        loads = [balancer.load(r.outstanding, r.queued_tokens) for r in self.ranks]
+        # Our own load on each rank, known exactly, plus what the rank last reported holding for other dispatchers.
+        loads = [
+            balancer.load(r.outstanding + r.others.requests, r.queued_tokens + r.others.queued_prompt_tokens)
+            for r in self.ranks
+        ]
         index = balancer.choose(prompt, loads, [self._usable(r) for r in self.ranks])
         self._last_prompt = prompt
         self._last_rank = index
@@ -407,6 +417,7 @@ class DataParallelDriver:
             kind = message[0]
             if kind == m.STEP:
                 rank.report(m.RankStats(*message[3]))
+                rank.others = m.RankLoad(*message[4])
                 self._dispatch(rank, message[1], message[2])
                 # One step per turn: the next is read after the stream tasks this one woke have sent their frames,
                 # so a rank that outruns the loop cannot bury it (and clients that leave are noticed in time).
@@ -415,6 +426,7 @@ class DataParallelDriver:
                 return
             elif kind == m.HEARTBEAT:
                 rank.report(m.RankStats(*message[1]))
+                rank.others = m.RankLoad(*message[2])
             elif kind == m.READY:
                 self._on_ready(rank, message[1], m.EngineInfo(*message[2]))
             elif kind == m.FAILED:
@@ -459,10 +471,14 @@ class DataParallelDriver:
         entry.queued = 0
 
     def _on_ready(self, rank: RankState, pid: int, info: m.EngineInfo) -> None:
-        if rank.state == "up" and rank.pid == pid:
-            return  # the answer to our RESET after an unsolicited READY
-        if rank.state == "up":  # a remote rank restarted behind the same endpoint
-            self._take_down(rank, "restarted")
+        answer = rank.hello_pending
+        rank.hello_pending = False
+        if rank.state == "up" and answer:
+            return  # the answer to the RESET sent after an unsolicited READY
+        if rank.state == "up":
+            # Unsolicited: the rank does not know us. A new incarnation behind the same endpoint (remote ranks, or
+            # ranks the front-end supervisor hosts), or it dropped us when our lease ran out: our requests are gone.
+            self._take_down(rank, "restarted" if pid != rank.pid else "the rank dropped this dispatcher's lease")
             self._connect(rank)
         elif rank.state != "starting":
             return  # a late READY on a socket of a rank taken down
@@ -506,13 +522,13 @@ class DataParallelDriver:
         if plan.remote_endpoints:
             return plan.remote_endpoints[rank]
         if plan.transport == "tcp":
-            return f"tcp://{plan.host}:{_free_port(plan.host)}"
+            return f"tcp://{plan.host}:{free_port(plan.host)}"
         assert self._run_dir is not None
         return f"ipc://{self._run_dir}/rank-{rank}"
 
     def _collective_endpoint(self) -> str:
         if self.plan.transport == "tcp":
-            return f"tcp://{self.plan.host}:{_free_port(self.plan.host)}"
+            return f"tcp://{self.plan.host}:{free_port(self.plan.host)}"
         return f"ipc://{self._run_dir}/collective-{self._generation}"
 
     def _launch(self, rank: RankState, collective: str | None) -> None:
@@ -537,6 +553,7 @@ class DataParallelDriver:
             plan.lockstep,
             collective,
             os.getpid(),
+            plan.lease_seconds,
         )
         env = dict(os.environ)
         if plan.rank_env is not None:
@@ -558,6 +575,7 @@ class DataParallelDriver:
         assert self._context is not None and self._loop is not None
         self._close_socket(rank)
         socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.ROUTING_ID, self.identity)
         m.bound_queues(socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RECONNECT_IVL, 20)
@@ -566,6 +584,7 @@ class DataParallelDriver:
         rank.socket = socket
         rank.last_heard = time.monotonic()
         self._loop.add_reader(socket.FD, self._on_readable, rank.index)
+        rank.hello_pending = True
         self._send(rank, [m.RESET])  # queued until connected; the worker answers READY
 
     def _close_socket(self, rank: RankState) -> None:
@@ -633,6 +652,7 @@ class DataParallelDriver:
         for request_id in list(rank.requests):
             self._fail(request_id, error)
         rank.queued_tokens = 0
+        rank.others = m.RankLoad(0, 0)
         if rank.process is not None and rank.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 rank.process.send_signal(signal.SIGKILL)
@@ -643,7 +663,10 @@ class DataParallelDriver:
         for rank in self.ranks:
             if rank.state == "up" and now - rank.last_heard > self.plan.heartbeat_timeout:
                 self._rank_failed(rank, f"silent for {now - rank.last_heard:.0f} s")
-            elif rank.adds or rank.aborts:
+                continue
+            if rank.state == "up" and rank.socket is not None:
+                self._send(rank, [m.PING])  # renews our lease on the rank (redundant if its queue is full)
+            if rank.adds or rank.aborts:
                 self._schedule_flush()  # commands held back by a full queue (normally ``_on_readable`` resends)
         self._heartbeat = self._loop.call_later(HEARTBEAT_CHECK_SECONDS, self._check_heartbeats)
 
@@ -668,7 +691,7 @@ def _describe_exit(code: int) -> str:
     return f"code {code}"
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     """A port the kernel has free now, for a local worker to bind (tcp transport)."""
     with socketlib.socket(socketlib.AF_INET, socketlib.SOCK_STREAM) as probe:
         probe.bind((host, 0))

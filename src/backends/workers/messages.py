@@ -16,21 +16,35 @@ import zmq
 BATCH = 0
 """``[BATCH, adds, aborts]``: adds are ``[request_id, sampling_params, prompt_int32_bytes, user_id]``."""
 RESET = 1
-"""``[RESET]``: abort every request the worker holds (a new dispatcher session, or after a reconnect)."""
+"""``[RESET]``: the hello of a dispatcher session: abort every request *this dispatcher* holds on the worker
+(requests of other dispatchers are untouched), answered with ``READY``."""
 STOP = 2
 """``[STOP]``: abort everything, close the engine (with every rank, in lockstep) and exit."""
+PING = 3
+"""``[PING]``: the dispatcher is alive (sent every second); renews its lease on the worker's requests."""
 
 # Worker -> dispatcher.
 READY = 10
-"""``[READY, pid, info]``: the engine is constructed; ``info`` describes it (``EngineInfo`` fields)."""
+"""``[READY, pid, info]``: the engine is constructed; ``info`` describes it (``EngineInfo`` fields). The answer to
+``RESET``, and to any message of a dispatcher the worker does not know (a new incarnation of the rank, or one that
+dropped this dispatcher when its lease ran out): such a dispatcher fails what it sent before and says hello again."""
 STEP = 11
-"""``[STEP, outputs, errors, stats]``: one engine step; outputs are ``EngineOutput`` fields as arrays."""
+"""``[STEP, outputs, errors, stats, load]``: one engine step's outputs for this dispatcher (``EngineOutput`` fields as
+arrays), its errors, the rank's counters and ``RankLoad``: what the rank holds for *other* dispatchers."""
 HEARTBEAT = 12
-"""``[HEARTBEAT, stats]``: an idle worker is alive."""
+"""``[HEARTBEAT, stats, load]``: an idle worker is alive; ``load`` as in ``STEP``."""
 FAILED = 13
 """``[FAILED, reason]``: the engine failed; the worker exits right after."""
 CLOSED = 14
 """``[CLOSED]``: the engine closed cleanly; the worker exits right after."""
+
+
+class RankLoad(NamedTuple):
+    """The work a rank holds for the *other* dispatchers in front of it: each dispatcher adds its own (known
+    exactly, without a round trip) to choose a rank with everyone's load."""
+
+    requests: int
+    queued_prompt_tokens: int
 
 
 class EngineInfo(NamedTuple):

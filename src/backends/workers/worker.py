@@ -1,9 +1,11 @@
-"""One data-parallel rank: a process that owns one engine and drives it, fed by the dispatcher over ZeroMQ.
+"""One data-parallel rank: a process that owns one engine and drives it, fed over ZeroMQ by one or more
+dispatchers (gateway front-end processes).
 
-Run as ``python -m backends.workers.worker SPEC_JSON`` (the gateway does this for local ranks; a remote host's
-supervisor does it for remote ones). The main thread constructs the engine, binds one DEALER socket and loops:
-drain every command waiting (without blocking), step while the engine (or, in lockstep, the group) has work, send
-ONE message per step with every output of that step, and wait for commands only when there is nothing to do.
+Run as ``python -m backends.workers.worker SPEC_JSON`` (the gateway, or the front-end supervisor, does this for
+local ranks; a remote host's supervisor does it for remote ones). The main thread constructs the engine, binds one
+ROUTER socket (any number of dispatchers connect to it) and loops: drain every command waiting (without
+blocking), step while the engine (or, in lockstep, the group) has work, send ONE message per step to each
+dispatcher with outputs in it, and wait for commands only when there is nothing to do.
 
 Lockstep (DeepInfer DP > 1): ``has_unfinished_requests``, ``step`` and ``close`` are collectives, so the loop makes
 the same sequence of calls on every rank: while any rank has work every rank steps (an idle rank's step is a
@@ -44,6 +46,9 @@ dispatcher wakes its local ranks at once when it sends work, so this bounds only
 at another node's ranks."""
 HEARTBEAT_SECONDS = 1.0
 """An idle worker reports at least this often, so the dispatcher can tell a silent rank from a dead one."""
+DISPATCHER_LEASE_SECONDS = 10.0
+"""A dispatcher (it pings every second) silent this long, or not reading for this long, is taken for gone: its
+requests are aborted so that a killed front end does not leave its requests running on the ranks."""
 REPORT_SECONDS = 0.5
 """Steps that produce no output (placeholders) send their counters at most this often."""
 SAMPLES_SECONDS = 1.0
@@ -62,6 +67,7 @@ class WorkerSpec:
     lockstep: bool = False
     collective_endpoint: str | None = None  # lockstep: where rank 0 hosts the group's rendezvous
     parent_pid: int | None = None  # exit with the gateway that started us (None: started by someone else)
+    lease_seconds: float = DISPATCHER_LEASE_SECONDS  # a dispatcher silent this long loses its requests
 
     def to_json(self) -> str:
         return json.dumps({name: getattr(self, name) for name in self.__slots__})  # type: ignore[attr-defined]
@@ -114,25 +120,56 @@ class _Counters:
         self.samples_at = 0.0
 
 
+class Dispatcher:
+    """One dispatcher (a gateway front-end process) in front of this rank: its requests and its lease."""
+
+    __slots__ = ("identity", "last_report", "last_seen", "live", "prefix", "queued")
+
+    def __init__(self, identity: bytes, prefix: str, now: float) -> None:
+        self.identity = identity
+        self.prefix = prefix  # engine request id = prefix + the dispatcher's id: front ends may reuse each other's ids
+        self.live: set[str] = set()  # engine request ids
+        self.queued = 0  # prompt tokens of its requests not yet prefilled
+        self.last_seen = now
+        self.last_report = now
+
+
 class Worker:
-    """The rank's loop; see the module docstring for the lockstep rules it keeps."""
+    """The rank's loop; see the module docstring for the lockstep rules it keeps.
+
+    The socket is a ROUTER: any number of dispatchers connect, each under its own ZeroMQ routing id. Each is known
+    from its ``RESET`` hello on; its requests run under its own prefix, its outputs and errors go back to it alone,
+    and every message it receives carries what the rank holds for the others (``RankLoad``). A dispatcher silent
+    for ``lease_seconds`` (killed, or a host gone) loses its lease: its requests are aborted."""
 
     def __init__(self, spec: WorkerSpec, socket: zmq.Socket, rank_engine: RankEngine) -> None:
         self.spec = spec
         self.socket = socket
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue blocks (or times out), an unknown peer raises
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a dispatcher reconnecting under its id takes its place
+        socket.setsockopt(zmq.SNDTIMEO, int(spec.lease_seconds * 1000))
         self.engine = rank_engine.engine
         self.group = rank_engine.group
         self.lockstep = spec.lockstep
         if self.lockstep and self.group is None:
             raise ValueError("lockstep needs the factory to return the rank's DataParallelGroup")
-        self.live: set[str] = set()
+        self.dispatchers: dict[bytes, Dispatcher] = {}
+        self.owner: dict[str, tuple[Dispatcher, str]] = {}  # engine request id -> its dispatcher and its own id
+        self.queued: dict[str, int] = {}  # engine request id -> prompt tokens until its first output
+        self.queued_total = 0
         self.tokens = 0
         self.counters = _Counters()
         self.max_num_seqs = int(getattr(self.engine, "max_num_seqs", 0) or 0)
         self._stop = False
         self._aborts: list[str] = []
-        self._errors: list[list[Any]] = []
-        self._last_report = 0.0
+        self._errors: list[tuple[Dispatcher, list[Any]]] = []
+        self._sessions = 0
+        self._lease_checked = 0.0
+
+    @property
+    def live(self) -> set[str]:
+        """Engine request ids the rank holds, for every dispatcher."""
+        return set(self.owner)
 
     def info(self) -> list[Any]:
         engine = self.engine
@@ -142,23 +179,33 @@ class Worker:
             )
         )
 
-    def send(self, message: list[Any], *, block: bool = True) -> None:
-        """Sends a message; by default waits while the dispatcher's queue is full (``messages.QUEUE_MESSAGES``) or
-        no dispatcher is connected, so a step's outputs are never dropped: the engine pauses instead. A dispatcher
-        that left took its requests with it; the next one receives what waited here, drops outputs of requests it
-        does not know, and sends RESET."""
-        if block:
-            self.socket.send(m.pack(message))
-            return
-        with contextlib.suppress(zmq.Again):  # a heartbeat is redundant while the queue is full of messages
-            self.socket.send(m.pack(message), zmq.NOBLOCK)
+    def load_for(self, dispatcher: Dispatcher) -> list[int]:
+        """What the rank holds for the other dispatchers (``RankLoad``)."""
+        return [len(self.owner) - len(dispatcher.live), self.queued_total - dispatcher.queued]
+
+    def send(self, identity: bytes, message: list[Any], *, block: bool = True) -> bool:
+        """Sends a message to one dispatcher; by default waits while its queue is full
+        (``messages.QUEUE_MESSAGES``), so a step's outputs are never dropped: the engine pauses instead. A dispatcher
+        that has not read for ``lease_seconds``, or is gone, loses its lease (its requests are aborted). False if
+        the message was not sent."""
+        try:
+            self.socket.send_multipart([identity, m.pack(message)], 0 if block else zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if block:
+                self._evict(identity, "did not read for its lease")
+            return False  # non-blocking: a heartbeat is redundant while the queue is full of messages
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._evict(identity, "disconnected")
+            return False
+
+    def broadcast(self, message: list[Any]) -> None:
+        for dispatcher in list(self.dispatchers.values()):
+            self.send(dispatcher.identity, message, block=False)
 
     def run(self) -> None:
-        # Announce ourselves once a dispatcher is connected: one that reconnected to a restarted remote rank learns
-        # of the new incarnation from this (a fresh dispatcher sends RESET, answered with READY as well).
-        while not self.socket.poll(int(HEARTBEAT_SECONDS * 1000), zmq.POLLOUT):
-            pass
-        self.send([m.READY, os.getpid(), self.info()])
         engine = self.engine
         clock = time.perf_counter
         counters = self.counters
@@ -168,11 +215,14 @@ class Worker:
         while True:
             self._drain()
             if self._stop and not aborted_all:
-                self._aborts.extend(self.live)
+                self._aborts.extend(self.owner)
                 aborted_all = True
+            if awake - self._lease_checked >= HEARTBEAT_SECONDS:
+                self._check_leases(awake)
             if self._aborts:
                 engine.abort_request(self._aborts)
-                self.live.difference_update(self._aborts)
+                for engine_id in self._aborts:
+                    self._drop(engine_id)
                 self._aborts = []
             if self._stop and not self.lockstep:
                 break
@@ -198,71 +248,161 @@ class Worker:
                 else:
                     self.socket.poll(int(HEARTBEAT_SECONDS * 1000))
                 awake = clock()
-                if awake - self._last_report >= HEARTBEAT_SECONDS:
-                    self.send([m.HEARTBEAT, self._stats(awake)], block=False)
-                    self._last_report = awake
+                stats: list[Any] | None = None
+                for dispatcher in list(self.dispatchers.values()):
+                    if awake - dispatcher.last_report >= HEARTBEAT_SECONDS:
+                        stats = stats or self._stats(awake)
+                        self.send(dispatcher.identity, [m.HEARTBEAT, stats, self.load_for(dispatcher)], block=False)
+                        dispatcher.last_report = awake
                 continue
             now = clock()
             counters.engine_seconds += now - before
             counters.busy += now - awake
             awake = now
-            if outputs or self._errors or now - self._last_report >= REPORT_SECONDS:
-                self._report(outputs, now)
+            self._report(outputs, now)
         engine.close()
-        self.send([m.CLOSED], block=False)
+        self.broadcast([m.CLOSED])
 
     def _drain(self) -> None:
         socket = self.socket
         while True:
             try:
-                data = socket.recv(zmq.NOBLOCK)
+                identity, data = socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             message = m.unpack_command(data)
             kind = message[0]
-            if kind == m.BATCH:
-                for request_id, params, prompt, user_id in message[1]:
-                    self._add(request_id, params, prompt, user_id)
-                self._aborts.extend(message[2])
-            elif kind == m.RESET:
-                self._aborts.extend(self.live)
-                self.send([m.READY, os.getpid(), self.info()])
+            dispatcher = self.dispatchers.get(identity)
+            if kind == m.RESET:
+                if dispatcher is not None:
+                    self._aborts.extend(dispatcher.live)
+                    self._forget_dispatcher(dispatcher)
+                self._sessions += 1
+                self.dispatchers[identity] = Dispatcher(identity, f"{self._sessions}/", time.perf_counter())
+                self.send(identity, [m.READY, os.getpid(), self.info()])
             elif kind == m.STOP:
                 self._stop = True
+            elif dispatcher is None:
+                # A dispatcher this incarnation does not know (it restarted, or the lease ran out): its commands
+                # belong to requests it must fail; READY tells it so, and it says hello again.
+                self.send(identity, [m.READY, os.getpid(), self.info()], block=False)
+            elif kind == m.BATCH:
+                dispatcher.last_seen = time.perf_counter()
+                for request_id, params, prompt, user_id in message[1]:
+                    self._add(dispatcher, request_id, params, prompt, user_id)
+                prefix = dispatcher.prefix
+                owner = self.owner
+                self._aborts.extend(e for e in (prefix + r for r in message[2]) if e in owner)
+            elif kind == m.PING:
+                dispatcher.last_seen = time.perf_counter()
 
-    def _add(self, request_id: str, params: dict[str, Any], prompt: bytes, user_id: str) -> None:
+    def _check_leases(self, now: float) -> None:
+        self._lease_checked = now
+        for dispatcher in list(self.dispatchers.values()):
+            if now - dispatcher.last_seen > self.spec.lease_seconds:
+                self._evict(dispatcher.identity, f"silent for {now - dispatcher.last_seen:.1f} s")
+
+    def _evict(self, identity: bytes, reason: str) -> None:
+        """The dispatcher is gone: abort its requests (in this iteration) and forget it."""
+        dispatcher = self.dispatchers.pop(identity, None)
+        if dispatcher is None:
+            return
+        logger.warning("dispatcher %s %s: aborting its %d requests", identity.hex(), reason, len(dispatcher.live))
+        self._aborts.extend(dispatcher.live)
+        self._forget_dispatcher(dispatcher)
+
+    def _forget_dispatcher(self, dispatcher: Dispatcher) -> None:
+        self.dispatchers.pop(dispatcher.identity, None)
+        self._errors = [(d, e) for d, e in self._errors if d is not dispatcher]
+
+    def _drop(self, engine_id: str) -> None:
+        entry = self.owner.pop(engine_id, None)
+        if entry is None:
+            return
+        dispatcher = entry[0]
+        dispatcher.live.discard(engine_id)
+        queued = self.queued.pop(engine_id, 0)
+        dispatcher.queued -= queued
+        self.queued_total -= queued
+
+    def _add(
+        self, dispatcher: Dispatcher, request_id: str, params: dict[str, Any], prompt: bytes, user_id: str
+    ) -> None:
         if self._stop:
+            return
+        engine_id = dispatcher.prefix + request_id
+        if engine_id in self.owner:
+            self._errors.append((dispatcher, [request_id, "invalid_request", "duplicate engine request id"]))
             return
         try:
             sequence = self.engine.add_request(
                 user_id=user_id,
-                request_id=request_id,
+                request_id=engine_id,
                 sampling_params=params,
                 prompt_token_ids=np.frombuffer(prompt, dtype=np.int32).copy(),
                 multi_modal_data=None,
             )
         except (ValueError, TypeError, KeyError) as exc:
-            self._errors.append([request_id, "invalid_request", f"the engine rejected the request: {exc}"])
+            self._errors.append(
+                (dispatcher, [request_id, "invalid_request", f"the engine rejected the request: {exc}"])
+            )
             return
         except BackendError as exc:  # an engine binding's verdict on this one request
             kind = "overloaded" if isinstance(exc, OverloadedError) else "upstream"
             kind = "invalid_request" if isinstance(exc, InvalidRequestError) else kind
-            self._errors.append([request_id, kind, exc.message])
+            self._errors.append((dispatcher, [request_id, kind, exc.message]))
             return
         if sequence is None:
-            self._errors.append([request_id, "invalid_request", "the prompt contains token ids outside the vocabulary"])
+            error = [request_id, "invalid_request", "the prompt contains token ids outside the vocabulary"]
+            self._errors.append((dispatcher, error))
             return
-        self.live.add(request_id)
+        self.owner[engine_id] = (dispatcher, request_id)
+        dispatcher.live.add(engine_id)
+        tokens = len(prompt) // 4
+        self.queued[engine_id] = tokens
+        dispatcher.queued += tokens
+        self.queued_total += tokens
 
     def _report(self, outputs: Sequence[EngineOutput], now: float) -> None:
-        live = self.live
+        """One message per dispatcher with outputs or errors in this step; the others hear the rank's counters and
+        load at most every ``REPORT_SECONDS``."""
+        owner = self.owner
+        queued = self.queued
+        routed: dict[Dispatcher, list[tuple[Any, ...]]] = {}
         for out in outputs:
+            engine_id = out.request_id
+            entry = owner.get(engine_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            dispatcher, request_id = entry
+            tokens = queued.pop(engine_id, None)
+            if tokens is not None:
+                dispatcher.queued -= tokens
+                self.queued_total -= tokens
             if out.finished:
-                live.discard(out.request_id)
-        self.tokens += len(outputs)
-        self.send([m.STEP, outputs, self._errors, self._stats(now)])  # records pack as arrays
+                del owner[engine_id]
+                dispatcher.live.discard(engine_id)
+            batch = routed.get(dispatcher)
+            record = (request_id, *out[1:])
+            if batch is None:
+                routed[dispatcher] = [record]
+            else:
+                batch.append(record)
+        errors: dict[Dispatcher, list[list[Any]]] = {}
+        for dispatcher, error in self._errors:
+            errors.setdefault(dispatcher, []).append(error)
         self._errors = []
-        self._last_report = now
+        self.tokens += len(outputs)
+        stats: list[Any] | None = None
+        for dispatcher in list(self.dispatchers.values()):
+            batch = routed.get(dispatcher)
+            failed = errors.get(dispatcher)
+            if batch is None and failed is None and now - dispatcher.last_report < REPORT_SECONDS:
+                continue
+            stats = stats or self._stats(now)
+            message = [m.STEP, batch or (), failed or (), stats, self.load_for(dispatcher)]
+            if self.send(dispatcher.identity, message):
+                dispatcher.last_report = now
 
     def _stats(self, now: float) -> list[Any]:
         counters = self.counters
@@ -311,18 +451,21 @@ def main(argv: list[str] | None = None) -> int:
         _die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the gateway stops us
     context = zmq.Context.instance()
-    socket = context.socket(zmq.DEALER)
+    socket = context.socket(zmq.ROUTER)  # several dispatchers (front-end processes) may connect
     m.bound_queues(socket)
     socket.setsockopt(zmq.LINGER, 2000)
     socket.bind(spec.endpoint)
     context_for_factory = RankContext(spec.rank, spec.size, spec.lockstep, spec.collective_endpoint, spec.options)
+    worker: Worker | None = None
     try:
         rank_engine = load_factory(spec.factory)(context_for_factory)
-        Worker(spec, socket, rank_engine).run()
+        worker = Worker(spec, socket, rank_engine)
+        worker.run()
     except BaseException as exc:
         logger.exception("data-parallel rank %d failed", spec.rank)
-        with contextlib.suppress(zmq.ZMQError):
-            socket.send(m.pack([m.FAILED, repr(exc)]), zmq.NOBLOCK)
+        if worker is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                worker.broadcast([m.FAILED, repr(exc)])
         socket.close(linger=1000)
         return 1
     socket.close()

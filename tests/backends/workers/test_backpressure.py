@@ -32,31 +32,34 @@ def test_a_step_waits_for_room_when_the_dispatchers_queue_is_full() -> None:
     options = ReferenceBackendConfig(name="bp").model_dump(mode="json")
     context = zmq.Context()
     try:
-        worker_socket = context.socket(zmq.DEALER)
+        worker_socket = context.socket(zmq.ROUTER)
         m.bound_queues(worker_socket)
         worker_socket.bind("inproc://rank")
+        engine = build_rank_engine(RankContext(0, 1, False, None, options))
+        worker = Worker(WorkerSpec(0, 1, "inproc://rank", FACTORY, options), worker_socket, engine)
         dispatcher = context.socket(zmq.DEALER)
+        dispatcher.setsockopt(zmq.ROUTING_ID, b"front-end")
         m.bound_queues(dispatcher)
         dispatcher.setsockopt(zmq.RCVTIMEO, 30_000)
         dispatcher.connect("inproc://rank")
+        dispatcher.send(m.pack([m.RESET]))
+        worker._drain()  # the hello: the worker knows the dispatcher (and answers READY)
+        assert b"front-end" in worker.dispatchers
 
-        filled = 0
+        filled = 1  # the READY
         while filled < 100_000:  # a dispatcher that does not read: the worker's queue fills up
-            try:
-                worker_socket.send(m.pack([m.HEARTBEAT, []]), zmq.NOBLOCK)
-            except zmq.Again:
+            if not worker.send(b"front-end", [m.HEARTBEAT, [], [0, 0]], block=False):
                 break
             filled += 1
         assert m.QUEUE_MESSAGES <= filled <= 2 * m.QUEUE_MESSAGES, "the queue is bounded"
 
-        engine = build_rank_engine(RankContext(0, 1, False, None, options))
-        worker = Worker(WorkerSpec(0, 1, "inproc://rank", FACTORY, options), worker_socket, engine)
-        step = [m.STEP, [("r1", 42, True)], [], []]
-        sender = threading.Thread(target=worker.send, args=(step,))
+        step = [m.STEP, [("r1", 42, True)], [], [], [0, 0]]
+        sender = threading.Thread(target=worker.send, args=(b"front-end", step))
         sender.start()
         received = [m.unpack_event(dispatcher.recv()) for _ in range(filled + 1)]  # the dispatcher reads again
         sender.join()
-        assert received[-1] == (m.STEP, (("r1", 42, True),), (), ())
+        assert received[-1] == (m.STEP, (("r1", 42, True),), (), (), (0, 0))
+        assert b"front-end" in worker.dispatchers, "a dispatcher that reads within its lease keeps it"
     finally:
         context.destroy(linger=0)
 

@@ -27,6 +27,22 @@ def test_remote_endpoints_must_name_every_rank() -> None:
     with pytest.raises(ValidationError, match="one per rank"):
         ReferenceBackendConfig(name="r", data_parallel_size=2, worker_endpoints=["tcp://a:5600"])
     with pytest.raises(ValidationError):
-        ReferenceBackendConfig(name="r", worker_endpoints=["ipc:///tmp/x"])
+        ReferenceBackendConfig(name="r", worker_endpoints=["http://a:5600"])
     with pytest.raises(ValidationError, match="need worker processes"):
         ReferenceBackendConfig(name="r", data_parallel_size=2, worker_processes=False)
+
+
+def test_front_end_processes_share_rank_workers_but_not_an_in_process_deepinfer_engine() -> None:
+    from gateway.config import GatewayConfig
+
+    models = [{"name": "m", "backends": ["r"]}]
+    for backend in (
+        {"name": "r", "kind": "reference", "data_parallel_size": 2},
+        {"name": "r", "kind": "reference", "worker_processes": True, "lockstep": True},
+        {"name": "r", "kind": "reference", "data_parallel_size": 2, "worker_endpoints": ["ipc:///a", "ipc:///b"]},
+    ):
+        GatewayConfig(server={"workers": 2}, backends=[backend], models=models)
+    deepinfer = {"name": "r", "kind": "deepinfer", "model": "/models/x", "max_model_len": 4096}
+    with pytest.raises(ValidationError, match=r"server.workers > 1 is not supported with a deepinfer backend"):
+        GatewayConfig(server={"workers": 2}, backends=[deepinfer], models=models)
+    GatewayConfig(server={"workers": 1}, backends=[deepinfer], models=models)

@@ -18,7 +18,7 @@ from backends.errors import BackendError
 from backends.interface import GenerateRequest, SamplingOptions
 from backends.reference.backend import build_reference_backend, load_tokenizer
 from backends.workers.backend import DataParallelBackend
-from backends.workers.driver import DataParallelDriver, WorkerPlan, _free_port
+from backends.workers.driver import DataParallelDriver, WorkerPlan, free_port
 from backends.workers.worker import WorkerSpec
 
 from ...conftest import wait_until
@@ -81,7 +81,7 @@ def start_remote_worker(rank: int, endpoint: str, options: dict[str, object]) ->
 
 @pytest.fixture(scope="module")
 def remote_workers() -> Iterator[tuple[list[str], list[subprocess.Popen[bytes]], dict[str, object]]]:
-    endpoints = [f"tcp://127.0.0.1:{_free_port('127.0.0.1')}" for _ in range(2)]
+    endpoints = [f"tcp://127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2)]
     options = ReferenceBackendConfig(name="remote", data_parallel_size=2, worker_endpoints=endpoints).model_dump(
         mode="json"
     )
