@@ -319,10 +319,14 @@ def test_logprobs_when_included(http: httpx.Client) -> None:
         "ignore_eos": True,
         "include": ["message.output_text.logprobs"],
         "top_logprobs": 2,
+        "seed": 2,  # this seed samples an end-of-sentence among the 5 tokens (ignored under ignore_eos)
     }
     response = check_response(http.post("/v1/responses", json=body).json())
-    logprobs = response.output[0].content[0].logprobs  # type: ignore[union-attr]
-    assert logprobs is not None and len(logprobs) == 5
+    content = response.output[0].content[0]
+    logprobs = content.logprobs  # type: ignore[union-attr]
+    # output_text logprobs cover the text: one entry per token of it; a special token that adds no text has none
+    assert logprobs is not None and 1 <= len(logprobs) <= 5
+    assert b"".join(bytes(e.bytes) for e in logprobs).decode("utf-8", "replace") == content.text  # type: ignore[union-attr]
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in logprobs)
 
 
