@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -33,6 +34,7 @@ from gateway.metrics import MULTIPROCESS_DIR_ENV
 logger = logging.getLogger(__name__)
 _spawn = multiprocessing.get_context("spawn")
 RESTART_PAUSE_SECONDS = 1.0
+PARENT_CHECK_SECONDS = 1.0
 multiprocessing.allow_connection_pickling()  # the listening socket goes to each worker process
 
 
@@ -50,8 +52,10 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _serve(settings: GatewayConfig, sockets: list[socket.socket] | None = None) -> None:
+def _serve(settings: GatewayConfig, sockets: list[socket.socket] | None = None, supervisor: int | None = None) -> None:
     configure_logging(settings.server.log_level)
+    if supervisor is not None:
+        _exit_with(supervisor)
     # The engine thread and the event loop share the GIL. With the default 5 ms switch interval, every numpy or
     # C++ call that releases the GIL on the engine thread can wait up to 5 ms to get it back from a busy loop.
     sys.setswitchinterval(settings.server.gil_switch_interval)
@@ -59,6 +63,18 @@ def _serve(settings: GatewayConfig, sockets: list[socket.socket] | None = None) 
     app = create_app(settings, serve_once_started=settings.server.workers > 1)
     config = uvicorn_config(settings, app, connection_guard(settings.server, app))
     DrainingServer(config, on_exit=app.state.gateway.begin_drain).run(sockets=sockets)
+
+
+def _exit_with(supervisor: int) -> None:
+    """A front-end process drains and exits once its supervisor is gone: killed with SIGKILL, the supervisor
+    cannot pass SIGTERM on, and an orphan would keep serving the port with nobody to restart or stop it."""
+
+    def watch() -> None:
+        while os.getppid() == supervisor:
+            time.sleep(PARENT_CHECK_SECONDS)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
 def connection_guard(server: ServerConfig, app: FastAPI) -> ConnectionGuard:
@@ -135,7 +151,7 @@ class FrontEndSupervisor:
         return self.settings.model_copy(update={"backends": backends})
 
     def _start(self, sock: socket.socket) -> multiprocessing.process.BaseProcess:
-        worker = _spawn.Process(target=_serve, args=(self.front_end_settings, [sock]), daemon=False)
+        worker = _spawn.Process(target=_serve, args=(self.front_end_settings, [sock], os.getpid()), daemon=False)
         worker.start()
         logger.info("front-end process %s started", worker.pid)
         return worker

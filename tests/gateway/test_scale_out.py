@@ -256,10 +256,33 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
         assert supervisor.wait(timeout=180) == 0  # a safety net: a process just restarted may still be starting
     finally:
         if supervisor.poll() is None:
+            supervisor.kill()  # its front ends follow it (see the next test)
+            supervisor.wait()
+
+
+def test_front_end_processes_exit_when_their_supervisor_is_killed(tmp_path: Path) -> None:
+    port = _free_port()
+    config = {
+        "server": {"port": port, "workers": 2},
+        "backends": [{"name": "reference", "kind": "reference"}],
+        "models": [{"name": MODEL, "backends": ["reference"]}],
+    }
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
+    supervisor = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: len(_gateway_children(supervisor.pid)) == 2, timeout=60)
+        front_ends = _gateway_children(supervisor.pid)
+        supervisor.kill()  # SIGKILL: it cannot pass SIGTERM on
+        supervisor.wait()
+        assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in front_ends), timeout=60), (
+            "no orphan keeps serving the port"
+        )
+    finally:
+        if supervisor.poll() is None:
             supervisor.kill()
             supervisor.wait()
-        for child in _children(supervisor.pid) if supervisor.poll() is None else []:
-            os.kill(child, signal.SIGKILL)
 
 
 def test_front_ends_share_the_rank_workers_the_supervisor_hosts_and_one_killed_leaves_them_serving(
