@@ -9,19 +9,11 @@ renamed into place only after the install finished and the imports worked, so a 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
-import os
-import shutil
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DEEPINFER_GATEWAY_CACHE", "~/.cache/deepinfer-gateway")).expanduser()
+from ..cached_build import build_once, cache_dir, run_logged
 
 
 def venv_path(name: str, requirements: tuple[str, ...]) -> Path:
@@ -29,50 +21,20 @@ def venv_path(name: str, requirements: tuple[str, ...]) -> Path:
     return cache_dir() / f"client-{name}-{key}"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _run(command: list[str], log: Path) -> None:
-    with open(log, "a") as out:
-        out.write(f"$ {' '.join(command)}\n")
-        out.flush()
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        tail = "\n".join(log.read_text().splitlines()[-30:])
-        raise RuntimeError(f"building a client virtualenv failed: {' '.join(command)}\n{tail}")
-
-
 def client_python(name: str, requirements: tuple[str, ...], check: str) -> Path:
     """The interpreter of the client's virtualenv, building it first if this machine has none (about a minute)."""
     target = venv_path(name, requirements)
-    python = target / "bin" / "python"
-    if (target / ".complete").exists():
-        return python
-    with _locked(target.with_name(target.name + ".lock")):
-        if (target / ".complete").exists():  # another process built it while we waited for the lock
-            return python
-        for stale in target.parent.glob(target.name + ".partial-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a builder that died: we hold the lock now
-        partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-        log = target.with_name(target.name + ".log")
-        log.write_text("")
-        _run([sys.executable, "-m", "venv", str(partial)], log)
+
+    def build(partial: Path, log: Path) -> str:
+        what = f"the {name} client virtualenv"
+        run_logged([sys.executable, "-m", "venv", str(partial)], log, what=what)
         pip = [str(partial / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
-        _run([*pip, "--only-binary=:all:", *requirements], log)
-        _run([str(partial / "bin" / "python"), "-c", check], log)
-        (partial / ".complete").write_text(" ".join(requirements))
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(partial, target)
-    return python
+        run_logged([*pip, "--only-binary=:all:", *requirements], log, what=what)
+        run_logged([str(partial / "bin" / "python"), "-c", check], log, what=what)
+        return " ".join(requirements)
+
+    build_once(target, build)
+    return target / "bin" / "python"
 
 
 if __name__ == "__main__":

@@ -8,17 +8,13 @@ the install finished and imports were checked, so a crash mid-install never leav
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
+
+from ....cached_build import build_once, cache_dir, run_logged
 
 HERE = Path(__file__).resolve().parent
 REQUIREMENTS = HERE / "requirements.txt"
@@ -39,10 +35,6 @@ CHECK = (
 )
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("DEEPINFER_GATEWAY_CACHE", "~/.cache/deepinfer-gateway")).expanduser()
-
-
 def venv_key() -> str:
     digest = hashlib.sha256()
     digest.update(REQUIREMENTS.read_bytes())
@@ -61,58 +53,27 @@ def harness_python() -> Path | None:
     return path / "bin" / "python" if (path / ".complete").exists() else None
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _run(command: list[str], log: Path) -> None:
-    with open(log, "a") as out:
-        out.write(f"$ {' '.join(command)}\n")
-        out.flush()
-        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if result.returncode != 0:
-        tail = "\n".join(log.read_text().splitlines()[-30:])
-        raise RuntimeError(f"building the LMDeploy harness virtualenv failed: {' '.join(command)}\n{tail}")
-
-
 def ensure_harness_venv(*, quiet: bool = False) -> Path:
     """Returns the harness interpreter, building the virtualenv first if this machine has none (a few minutes)."""
-    ready = harness_python()
-    if ready is not None:
-        return ready
     target = venv_path()
-    with _locked(target.with_name(target.name + ".lock")):
-        ready = harness_python()
-        if ready is not None:  # another process built it while we waited for the lock
-            return ready
-        for stale in target.parent.glob(target.name + ".partial-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a builder that died: we hold the lock now
-        partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-        log = target.with_name(target.name + ".log")
-        log.write_text("")
+
+    def build(partial: Path, log: Path) -> str:
         started = time.monotonic()
         if not quiet:
             print(f"building the LMDeploy harness virtualenv in {target} (log: {log})", file=sys.stderr)
-        _run([sys.executable, "-m", "venv", str(partial)], log)
+        what = "the LMDeploy harness virtualenv"
+        run_logged([sys.executable, "-m", "venv", str(partial)], log, what=what)
         python = str(partial / "bin" / "python")
         pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--only-binary=:all:"]
         for step in STEPS:
-            _run([*pip, *step], log)
-        _run([python, "-c", CHECK], log)
+            run_logged([*pip, *step], log, what=what)
+        run_logged([python, "-c", CHECK], log, what=what)
         seconds = round(time.monotonic() - started, 1)
-        (partial / ".complete").write_text(json.dumps({"key": venv_key(), "build_seconds": seconds}))
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(partial, target)
         if not quiet:
             print(f"LMDeploy harness virtualenv built in {seconds} s", file=sys.stderr)
+        return json.dumps({"key": venv_key(), "build_seconds": seconds})
+
+    build_once(target, build)
     ready = harness_python()
     assert ready is not None
     return ready
