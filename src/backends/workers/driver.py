@@ -79,6 +79,26 @@ class WorkerPlan:
     lease_seconds: float = DISPATCHER_LEASE_SECONDS
     """Local ranks: a dispatcher silent this long loses its requests on the rank (it pings every second)."""
 
+    def spawn(self, index: int, endpoint: str, collective: str | None) -> subprocess.Popen[bytes]:
+        """Starts rank ``index``'s worker process on ``endpoint`` (raises ``OSError`` when it cannot be spawned)."""
+        spec = WorkerSpec(
+            index,
+            self.size,
+            endpoint,
+            self.factory,
+            self.options,
+            self.lockstep,
+            collective,
+            os.getpid(),
+            self.lease_seconds,
+        )
+        env = dict(os.environ)
+        if self.rank_env is not None:
+            env.update(self.rank_env(index))
+        return subprocess.Popen(
+            [sys.executable, "-m", "backends.workers.worker", spec.to_json()], stdin=subprocess.DEVNULL, env=env
+        )
+
 
 class _Entry:
     """One engine request in flight: where its outputs go and which rank holds it."""
@@ -543,26 +563,9 @@ class DataParallelDriver:
         self._connect(rank)
         if rank.remote:
             return
-        plan = self.plan
-        spec = WorkerSpec(
-            rank.index,
-            plan.size,
-            rank.endpoint,
-            plan.factory,
-            plan.options,
-            plan.lockstep,
-            collective,
-            os.getpid(),
-            plan.lease_seconds,
-        )
-        env = dict(os.environ)
-        if plan.rank_env is not None:
-            env.update(plan.rank_env(rank.index))
         # Spawned from the event loop's thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "backends.workers.worker", spec.to_json()], stdin=subprocess.DEVNULL, env=env
-            )
+            process = self.plan.spawn(rank.index, rank.endpoint, collective)
         except OSError as exc:  # reported from the next loop iteration: the supervisor is inside its launch now
             logger.exception("cannot start rank %d of %s", rank.index, self.name)
             self._loop.call_soon(self._never_started, rank, f"cannot start its worker process: {exc}")

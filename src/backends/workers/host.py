@@ -14,14 +14,12 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import zmq
 
 from backends.workers import messages as m
 from backends.workers.driver import STOP_TIMEOUT_SECONDS, WorkerPlan, free_port
-from backends.workers.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -117,24 +115,8 @@ class RankHost:
         plan = self.plan
         rank = self.ranks[index]
         rank.due = None
-        spec = WorkerSpec(
-            index,
-            plan.size,
-            self.endpoints[index],
-            plan.factory,
-            plan.options,
-            plan.lockstep,
-            collective,
-            os.getpid(),
-            plan.lease_seconds,
-        )
-        env = dict(os.environ)
-        if plan.rank_env is not None:
-            env.update(plan.rank_env(index))
         try:
-            rank.process = subprocess.Popen(
-                [sys.executable, "-m", "backends.workers.worker", spec.to_json()], stdin=subprocess.DEVNULL, env=env
-            )
+            rank.process = plan.spawn(index, self.endpoints[index], collective)
         except OSError:
             logger.exception("cannot start rank %d of %s", index, self.name)
             rank.failures += 1
