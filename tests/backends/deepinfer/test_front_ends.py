@@ -135,7 +135,7 @@ def test_front_ends_share_the_deepinfer_ranks_the_supervisor_hosts(
 ) -> None:
     process, base = supervisor
     assert wait_until(lambda: len(front_ends(process.pid)) == 2, timeout=60)
-    assert wait_until(lambda: is_ready(base), timeout=180)
+    assert wait_until(lambda: is_ready(base), timeout=60), "every backend ready: all ranks up"
     hosted = ranks(process.pid)
     assert len(hosted) == 3, "di2's two ranks and di1's engine, started once, by the supervisor"
     for front_end in front_ends(process.pid):

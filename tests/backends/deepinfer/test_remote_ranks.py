@@ -9,6 +9,7 @@ runs it.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def cluster(tmp_path: Path, model_dir: Path) -> Iterator[Cluster]:
 def test_a_gateway_serves_from_deepinfer_ranks_that_two_nodes_run(cluster: Cluster) -> None:
     cluster.start_nodes()
     cluster.start_gateway()
-    assert wait_until(lambda: is_ready(cluster.base), timeout=120), "the gateway reaches both nodes' ranks"
+    assert wait_until(lambda: is_ready(cluster.base), timeout=60), "the gateway reaches both nodes' ranks"
     ready = httpx.get(f"{cluster.base}/ready").json()["backends"]["di"]
     assert ready["reason"].startswith("2/2 ranks up")
     ranks = [cluster.ranks_of(0), cluster.ranks_of(1)]
@@ -113,12 +114,12 @@ def test_a_gateway_serves_from_deepinfer_ranks_that_two_nodes_run(cluster: Clust
 
     # A rank dies: its node exits, and the other node's rank fails with the broken group; restarted whole (as a
     # LeaderWorkerSet recreates its group), the group meets again and the gateway serves from it without a restart.
-    subprocess.run(["kill", "-KILL", str(ranks[1][0])], check=True)
+    os.kill(ranks[1][0], signal.SIGKILL)
     assert cluster.nodes[1].wait(timeout=60) == 1
     assert cluster.nodes[0].wait(timeout=60) == 1, "the rank left alone in its group fails, and its node exits"
     assert wait_until(lambda: not is_ready(cluster.base), timeout=30)
     cluster.start_nodes()
-    assert wait_until(lambda: is_ready(cluster.base), timeout=120)
+    assert wait_until(lambda: is_ready(cluster.base), timeout=60)
     for _ in range(2):
         assert answer(cluster.base, "di")
 
@@ -126,3 +127,21 @@ def test_a_gateway_serves_from_deepinfer_ranks_that_two_nodes_run(cluster: Clust
     for node in cluster.nodes:
         node.send_signal(signal.SIGTERM)
     assert [node.wait(timeout=60) for node in cluster.nodes] == [0, 0]
+
+
+def test_the_ranks_command_refuses_a_layout_it_cannot_run(cluster: Cluster) -> None:
+    """Mistakes in the file or the flags end the command at once with status 2 and the reason, before any rank."""
+    original = yaml.safe_load(cluster.config.read_text())
+    layouts: list[tuple[dict[str, Any], list[str], str]] = [
+        ({}, ["--backend", "nope"], "no backend 'nope'"),
+        ({"worker_endpoints": [], "data_parallel_size": 1}, ["--backend", "di"], "lists no worker_endpoints"),
+        ({"master_port": None}, ["--backend", "di", "--nodes", "2", "--node", "1"], "set master_port"),
+        ({}, ["--backend", "di", "--nodes", "3", "--node", "0"], "cannot be shared equally by 3 nodes"),
+        ({}, ["--backend", "di", "--nodes", "2", "--node", "2"], "node index must be in 0..1"),
+    ]
+    for change, flags, reason in layouts:
+        backend = {**original["backends"][0], **change}
+        cluster.config.write_text(yaml.safe_dump({**original, "backends": [backend]}))
+        command = [sys.executable, "-m", "gateway.cli", "ranks", "-c", str(cluster.config), *flags]
+        result = subprocess.run(command, capture_output=True, text=True, env=cluster.environment, timeout=60)
+        assert (result.returncode, reason in result.stderr) == (2, True), (flags, result.stderr)
