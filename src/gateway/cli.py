@@ -1,4 +1,4 @@
-"""The ``deepinfer-gateway`` command: ``serve``, ``bench`` and ``config check``."""
+"""The ``deepinfer-gateway`` command: ``serve``, ``ranks`` (a node's rank workers), ``bench`` and ``config check``."""
 
 from __future__ import annotations
 
