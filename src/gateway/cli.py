@@ -53,7 +53,8 @@ def ranks(
 ) -> None:
     """Run this node's share of a backend's rank workers, for gateways that list them in worker_endpoints.
 
-    Exits 1 when a rank exits (its group restarts whole, by whatever runs the nodes), 0 on SIGTERM."""
+    Exits 1 when a rank fails (its group restarts whole, by whatever runs the nodes), 0 on SIGTERM or when the
+    group stopped together."""
     from backends.config import DeepInferBackendConfig, ReferenceBackendConfig
     from backends.registry import node_worker_plan
     from backends.workers.node import NodeShare, RankNode, bind_address

@@ -4,10 +4,10 @@ A backend whose ranks span several hosts lists them all in ``worker_endpoints``;
 ``k * size / n`` to ``(k + 1) * size / n - 1``, each bound at its endpoint's port on this host, and every gateway
 front end connects to them as a dispatcher. The node does not restart its ranks: in a lockstep group (DeepInfer's
 DP ranks meet in one torch.distributed group across the nodes) a dead rank leaves every other rank blocked in a
-collective, so the group can only come back whole. When one rank exits, the node takes its others down and exits
+collective, so the group can only come back whole. When one rank fails, the node takes its others down and exits
 with status 1, and whatever runs the nodes restarts the group (a LeaderWorkerSet recreates every pod of the group
-when one restarts; ``deploy/kubernetes/deepinfer-multinode``). On SIGTERM the ranks close their engines (together,
-in lockstep) and the node exits with status 0.
+when one restarts; ``deploy/kubernetes/deepinfer-multinode``). On SIGTERM the ranks close their engines (in
+lockstep the whole group agrees to stop, so the other nodes' ranks close too) and the node exits with status 0.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class RankNode:
         os.write(self._wake_write, b"x")
 
     def run(self) -> int:
-        """Serves until SIGTERM/SIGINT (0) or until a rank exits (1)."""
+        """Serves until SIGTERM/SIGINT or the group's agreed stop (0), or until a rank fails (1)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         code = 1
@@ -117,12 +117,16 @@ class RankNode:
                 for fd in ready:
                     if fd in pidfds:
                         rank, process = pidfds[fd]
+                        code = process.wait()
+                        if code == 0:  # it closed its engine: the group agreed to stop (another node's SIGTERM)
+                            logger.info("rank %d of %s closed with its group", rank, self.name)
+                            return 0
                         logger.error(
                             "rank %d of %s exited with code %s: taking the node's ranks down so that the group "
                             "restarts whole",
                             rank,
                             self.name,
-                            process.wait(),
+                            code,
                         )
                         return 1
             return 0
