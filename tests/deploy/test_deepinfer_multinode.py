@@ -20,7 +20,7 @@ import yaml
 
 from backends.config import DeepInferBackendConfig
 from backends.deepinfer.ranks import node_worker_plan
-from backends.workers.driver import STOP_TIMEOUT_SECONDS
+from backends.workers.driver import STOP_TIMEOUT_SECONDS, WorkerPlan
 from backends.workers.node import NodeShare, bind_address
 from gateway.cli import app
 from gateway.config import load_config
@@ -226,6 +226,9 @@ def test_the_leader_serves_the_api_from_the_config_and_the_service_reaches_only_
     served = load_config(CONFIG).server
     assert ports(gateway)["http"] == served.port
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/ready"
+    if served.workers > 1:  # front ends answer nothing, /health included, before every rank is up
+        startup = gateway["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= WorkerPlan(1, "").start_timeout
     model = backend().model
     assert any(model.startswith(m["mountPath"] + "/") for m in gateway["volumeMounts"]), "the tokenizer is read here"
     service = multinode("Service")
