@@ -6,12 +6,16 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import openai
 import yaml
+import zmq
 
+from backends.config import ReferenceBackendConfig
 from backends.workers.driver import free_port
+from backends.workers.worker import WorkerSpec
 
 from ...conftest import stop_gateway, wait_until
 from .conftest import driver_of, start_data_parallel_gateway, worker_pids
@@ -49,3 +53,41 @@ def test_a_node_runs_the_listed_ranks_for_a_gateway_and_closes_them_on_sigterm(t
         if node.poll() is None:
             node.kill()
             node.wait()
+
+
+def test_a_gateway_waiting_for_a_rank_greets_its_replacement() -> None:
+    """A remote rank that took the gateway's hello and died while loading its engine, replaced behind the same
+    endpoint: the gateway, still waiting, says hello again and serves from the replacement (not after the start
+    deadline of 30 minutes)."""
+    endpoint = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    backend = {"name": "remote", "kind": "reference", "worker_endpoints": [endpoint]}
+    options = ReferenceBackendConfig.model_validate(backend).model_dump(mode="json")
+    context = zmq.Context()
+    loading = context.socket(zmq.ROUTER)  # the first incarnation: bound, still loading, reading nothing
+    loading.bind(endpoint)
+    replacement: list[subprocess.Popen[bytes]] = []
+
+    def die_and_be_replaced() -> None:
+        assert loading.poll(30_000), "the gateway's hello reached the loading rank"
+        loading.close(linger=0)  # it dies with the hello unanswered
+        spec = WorkerSpec(0, 1, endpoint, "backends.reference.backend:build_rank_engine", options)
+        replacement.append(subprocess.Popen([sys.executable, "-m", "backends.workers.worker", spec.to_json()]))
+
+    swap = threading.Thread(target=die_and_be_replaced)
+    swap.start()
+    gateway = None
+    try:
+        gateway = start_data_parallel_gateway([backend])  # raises unless ready within 60 s
+        swap.join()
+        assert driver_of(gateway, "remote").ranks[0].pid == replacement[0].pid
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="remote", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert reply.choices[0].message.content
+    finally:
+        swap.join()
+        if gateway is not None:
+            stop_gateway(gateway)
+        for process in replacement:
+            process.kill()
+            process.wait()
+        context.term()
