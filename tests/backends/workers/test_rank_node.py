@@ -81,7 +81,9 @@ def test_a_gateway_waiting_for_a_rank_greets_its_replacement() -> None:
         swap.join()
         assert driver_of(gateway, "remote").ranks[0].pid == replacement[0].pid
         client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model="remote", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        reply = client.chat.completions.create(
+            model="remote", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         assert reply.choices[0].message.content
     finally:
         swap.join()
