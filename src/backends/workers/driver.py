@@ -677,6 +677,8 @@ class DataParallelDriver:
                 continue
             if rank.state == "up" and rank.socket is not None:
                 self._send(rank, [m.PING])  # renews our lease on the rank (redundant if its queue is full)
+                if rank.hellos and now - rank.hello_at > self.plan.heartbeat_timeout:
+                    rank.hellos = 0  # unanswered by now: lost with an incarnation that died while loading
             elif rank.state == "starting" and rank.remote and rank.socket is not None:
                 self._greet_again(rank, now)
             if rank.adds or rank.aborts:
