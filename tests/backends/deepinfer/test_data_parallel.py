@@ -32,8 +32,13 @@ from ..workers.conftest import chat, driver_of, holding_rank, open_stream, steps
 from .conftest import DOUBLE_DIR, TORCH_DOUBLE_DIR, deepinfer_on_path
 
 MAX_MODEL_LEN = 1024
-ENGINE_ENV = {"DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1", "DEEPINFER_USE_NEXTN_DECODE": "0"}
-"""Prefill at once, and one token per request per step, so a long request lasts many steps."""
+ENGINE_ENV = {
+    "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1",
+    "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": "1",
+    "DEEPINFER_USE_NEXTN_DECODE": "0",
+}
+"""The documented DP setting: prefill at once even while the other ranks are idle (their votes would otherwise hold
+a lone rank's request for 100 steps); one token per request per step, so a long request lasts many steps."""
 STEP_SECONDS = "0.003"
 """Each double step sleeps this long, so a request of a few hundred tokens is still running when a test acts."""
 RESTART_BACKOFF = 1.0
@@ -279,4 +284,5 @@ def test_double_fails_every_rank_loudly_when_one_skips_a_collective(model_dir: P
     assert [code for code, _ in results] == [3, 3], results
     for _, out in results:
         assert "CollectiveError" in out and "ranks are in different collectives" in out
-        assert "LLMEngine.has_unfinished_requests" in out and "LLMEngine.step" in out
+        # rank 1's step() begins with the scheduler's prefill vote (step 0 is an ALL point), as DeepInfer's does
+        assert "LLMEngine.has_unfinished_requests" in out and "LLMEngine._scheduler_vote" in out
