@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import torch  # noqa: F401  # as in DeepInfer: torch is loaded before deepinfer._C
+import torch  # as in DeepInfer: torch is loaded before deepinfer._C
 from deep_cluster.hardware import get_bf16_tflops_limit
 
 from deepinfer import _double, envs
@@ -361,7 +361,6 @@ class LLMEngine:
         group = PG.cpu_data_parallel_group() if self.zero_overhead_scheduling else PG.data_parallel_group()
         if group.size() <= 1:
             return int(value)
-        import torch
         import torch.distributed as dist
 
         tensor = torch.full((1,), int(value), dtype=torch.int64, device="cpu")
