@@ -66,6 +66,7 @@ class Background:
 
     def __init__(self, model_dir: Path, names: set[str]) -> None:
         self._processes = {name: JOBS[name](model_dir) for name in sorted(names)}
+        self._outputs: dict[str, str | AssertionError] = {}
 
     def processes(self, name: str) -> list[subprocess.Popen[str]]:
         """The job's processes (started at session start); a test waits for them itself."""
@@ -74,9 +75,18 @@ class Background:
         return self._processes[name]
 
     def output(self, name: str, timeout: float = 180) -> str:
-        """The stdout of a one-process job; fails with its output if it exited non-zero."""
-        (process,) = self.processes(name)
-        return script_output(process, timeout)
+        """The stdout of a one-process job (several tests may read it); fails with its output if it exited
+        non-zero."""
+        if name not in self._outputs:
+            (process,) = self.processes(name)
+            try:
+                self._outputs[name] = script_output(process, timeout)
+            except AssertionError as failure:
+                self._outputs[name] = failure
+        result = self._outputs[name]
+        if isinstance(result, AssertionError):
+            raise AssertionError(*result.args)
+        return result
 
     def stop(self) -> None:
         for processes in self._processes.values():

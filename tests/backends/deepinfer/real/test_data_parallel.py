@@ -56,25 +56,48 @@ def start(model_dir: Path) -> RunningGateway:
     return start_gateway(config, backends=built, ready_timeout=120)
 
 
-@pytest.fixture
-def slow_forwards() -> Iterator[None]:
-    """Rank workers inherit this process's environment (restored after each test by the conftest)."""
-    os.environ["DEEPINFER_HARNESS_FORWARD_SECONDS"] = FORWARD_SECONDS
-    yield
+class Group:
+    """The module's two-rank gateway, started when first needed; the shutdown test takes it (and stops it), so a
+    test that runs after that gets a new one: every test sees a live group, in any order, and in file order the
+    module starts one gateway (plus the group restart the killed-rank test causes)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.running: RunningGateway | None = None
+
+    def live(self) -> RunningGateway:
+        if self.running is None:
+            self.running = start(self.model_dir)
+        return self.running
+
+    def take(self) -> RunningGateway:
+        running, self.running = self.live(), None
+        return running
+
+    def stop(self) -> None:
+        if self.running is not None:
+            stop_gateway(self.running)
+            self.running = None
 
 
 @pytest.fixture(scope="module")
-def served(real_model_dir: Path) -> Iterator[RunningGateway]:
+def group(real_model_dir: Path) -> Iterator[Group]:
+    """Rank workers inherit this process's environment: the stub model's forward time is set for the module."""
     saved = dict(os.environ)
     os.environ["DEEPINFER_HARNESS_FORWARD_SECONDS"] = FORWARD_SECONDS
-    running = start(real_model_dir)
-    yield running
-    stop_gateway(running)
+    holder = Group(real_model_dir)
+    yield holder
+    holder.stop()
     os.environ.clear()
     os.environ.update(saved)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
+def served(group: Group) -> RunningGateway:
+    return group.live()
+
+
+@pytest.fixture
 def http(served: RunningGateway) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=served.base_url, timeout=60) as client:
         yield client
@@ -167,9 +190,8 @@ def test_a_killed_rank_restarts_the_whole_group_and_its_requests_fail_cleanly(
     assert chat(http, MODEL, "the group is back", 5)["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.usefixtures("slow_forwards")
-def test_shutdown_closes_every_rank_together_and_leaves_no_process(real_model_dir: Path) -> None:
-    running = start(real_model_dir)
+def test_shutdown_closes_every_rank_together_and_leaves_no_process(group: Group) -> None:
+    running = group.take()
     driver = driver_of(running, MODEL)
     processes = [r.process for r in driver.ranks]
     assert all(p is not None for p in processes)
