@@ -141,13 +141,13 @@ def test_requests_spread_over_the_ranks_and_come_back_right(served: RunningGatew
 
 
 def test_idle_ranks_step_in_lockstep_with_the_busy_one(served: RunningGateway, http: httpx.Client) -> None:
+    driver = driver_of(served, MODEL)
     start_steps = steps(served, MODEL)
+    dispatched = [r.dispatched for r in driver.ranks]
     with open_stream(http, MODEL, 60) as stream:
-        next(stream)
-        busy = holding_rank(served, MODEL)
         rest = list(stream)
     assert rest[-1] == "[DONE]" and orjson.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
-    driver = driver_of(served, MODEL)
+    (busy,) = [r.index for r in driver.ranks if r.dispatched == dispatched[r.index] + 1]
     assert [r.outstanding for r in driver.ranks] == [0, 0]
     # Every rank reports the same step count (the idle one ran DeepInfer's placeholder steps), at least the busy
     # rank's 60.
