@@ -142,7 +142,9 @@ def play(timeline: Timeline, model: str, rank: int = 0) -> dict[str, list[int]]:
         engine.close()
 
 
-def spawn(timeline: Timeline, model: Path, env: dict[str, str], python: str = sys.executable) -> list[subprocess.Popen]:
+def spawn(
+    timeline: Timeline, model: Path, env: dict[str, str], python: str = sys.executable
+) -> list[subprocess.Popen[str]]:
     """One process per rank (``env``: the whole environment, rendezvous included), started now."""
     spec = json.dumps(asdict(timeline))
     return [
@@ -158,7 +160,7 @@ def spawn(timeline: Timeline, model: Path, env: dict[str, str], python: str = sy
     ]
 
 
-def gather(processes: list[subprocess.Popen], timeout: float = 180) -> dict[str, tuple[int, int]]:
+def gather(processes: list[subprocess.Popen[str]], timeout: float = 180) -> dict[str, tuple[int, int]]:
     """Every rank's results, merged; fails with a rank's output if it exited non-zero."""
     merged: dict[str, tuple[int, int]] = {}
     for process in processes:
