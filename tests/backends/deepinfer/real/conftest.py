@@ -7,8 +7,11 @@ since the binding sets engine variables process-wide.
 
 Variables DeepInfer reads once per process (``DEEPINFER_PREFILL_ATTEMPT_INTERVAL`` when ``deepinfer.config`` is
 imported, ``DEEPINFER_USE_NEXTN_DECODE`` on first use) are the same for every in-process engine: ``ENGINE_ENV``,
-which every test passes in its config's ``env``, as deploy/config/deepinfer.yaml does. Tests of other values run
-their own process (``run_script``).
+which every test passes in its config's ``env``, as deploy/config/deepinfer.yaml does. Tests of other values, and
+of a fresh process, run their own processes. Those are independent and each spends seconds importing torch, so
+they are *background jobs*: a test names its job with ``@pytest.mark.background(name)`` (registered with
+``background_job``), every job the collected tests name starts when the session starts, side by side with the
+in-process tests, and the test reads its result from the ``background`` fixture.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,64 @@ BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", 
 def pytest_configure(config: pytest.Config) -> None:
     if sys.version_info < (3, 12) or os.environ.get("DEEPINFER_HARNESS") != "1":
         raise pytest.UsageError("tests/backends/deepinfer/real run only in the DeepInfer harness (test_real_engine.py)")
+    config.addinivalue_line("markers", "background(name): the test reads the result of that background job")
+
+
+Job = Callable[[Path], list[subprocess.Popen[str]]]
+JOBS: dict[str, Job] = {}
+"""Background jobs by name: each starts its processes (given ``real_model_dir``) and returns them."""
+
+
+def background_job(name: str) -> Callable[[Job], Job]:
+    def register(job: Job) -> Job:
+        assert name not in JOBS, f"two background jobs named {name!r}"
+        JOBS[name] = job
+        return job
+
+    return register
+
+
+class Background:
+    """The session's background jobs: started together, each awaited by the test that reads it."""
+
+    def __init__(self, model_dir: Path, names: set[str]) -> None:
+        self._processes = {name: JOBS[name](model_dir) for name in sorted(names)}
+        self._outputs: dict[str, str | AssertionError] = {}
+
+    def processes(self, name: str) -> list[subprocess.Popen[str]]:
+        """The job's processes (started at session start); a test waits for them itself."""
+        if name not in self._processes:
+            raise AssertionError(f"background job {name!r} was not started: mark the test with background({name!r})")
+        return self._processes[name]
+
+    def output(self, name: str, timeout: float = 180) -> str:
+        """The stdout of a one-process job (several tests may read it); fails with its output if it exited
+        non-zero."""
+        if name not in self._outputs:
+            (process,) = self.processes(name)
+            try:
+                self._outputs[name] = script_output(process, timeout)
+            except AssertionError as failure:
+                self._outputs[name] = failure
+        result = self._outputs[name]
+        if isinstance(result, AssertionError):
+            raise AssertionError(*result.args)
+        return result
+
+    def stop(self) -> None:
+        for processes in self._processes.values():
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                process.communicate()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(request: pytest.FixtureRequest, real_model_dir: Path) -> Iterator[Background]:
+    names = {marker.args[0] for item in request.session.items for marker in item.iter_markers("background")}
+    jobs = Background(real_model_dir, names)
+    yield jobs
+    jobs.stop()
 
 
 @pytest.fixture(scope="session")
@@ -107,19 +168,59 @@ def outputs_of(outputs: list[EngineOutput]) -> list[tuple[str, int, bool, str]]:
 REPO = Path(__file__).resolve().parents[4]
 
 
-def run_script(script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> str:
-    """Runs ``script`` in a fresh harness interpreter (same ``PYTHONPATH``) and returns its stdout; fails with its
-    output if it exits non-zero."""
-    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}  # its own rendezvous
-    result = subprocess.run(
+def launch_script(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Starts ``script`` in a fresh harness interpreter (same ``PYTHONPATH``, its own rendezvous)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script), *args],
         env={**inherited, **(env or {})},
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        check=False,
     )
-    if result.returncode != 0:
-        raise AssertionError(f"script failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-    return result.stdout
+
+
+def script_output(process: subprocess.Popen[str], timeout: float = 120) -> str:
+    """The stdout of a launched script; fails with its output if it exits non-zero."""
+    stdout, stderr = process.communicate(timeout=timeout)
+    if process.returncode != 0:
+        raise AssertionError(f"script failed ({process.returncode}):\n{stdout}\n{stderr}")
+    return stdout
+
+
+FRESH_TIMELINE = "one-rank-default-intervals"
+"""The ``../admission.py`` timeline the fresh process plays: DeepInfer's default prefill intervals."""
+
+_FRESH_PROCESS = """
+    import json, sys
+    from backends.config import DeepInferBackendConfig
+    from backends.deepinfer.startup import DeepInferStartupError, import_deepinfer, start_engine
+    from tests.backends.deepinfer.admission import BY_NAME, play
+
+    model, timeline = sys.argv[1], BY_NAME[sys.argv[2]]
+    facts = {"imported_before": sorted({"torch", "deepinfer"} & set(sys.modules))}
+    modules = import_deepinfer()
+    facts["imported"] = [modules.version, modules.RequestOutput.__module__]
+    facts["timeline"] = play(timeline, model)  # builds an engine with the binding, and closes it
+    config = DeepInferBackendConfig(name="d", model=model, max_model_len=256, max_num_seqs=8, env=timeline.env)
+    try:
+        start_engine(config)
+        facts["second_engine"] = "started"
+    except DeepInferStartupError as exc:
+        facts["second_engine"] = f"refused: {exc}"
+    print(json.dumps(facts))
+    """
+
+
+@background_job("fresh-process")
+def _fresh_process(model_dir: Path) -> list[subprocess.Popen[str]]:
+    """One fresh harness process for what needs one (DeepInfer's own process-wide state, as shipped: its process
+    group cache kept): the binding's first import, an engine with DeepInfer's default prefill intervals, then a
+    second engine after the first closed. Its facts, one JSON object, are read by several tests."""
+    env = {"DEEPINFER_HARNESS_KEEP_GROUP_CACHE": "1"}
+    return [launch_script(_FRESH_PROCESS, str(model_dir), FRESH_TIMELINE, env=env)]
+
+
+def fresh_process_facts(background: Background) -> dict[str, Any]:
+    return json.loads(background.output("fresh-process").strip().splitlines()[-1])

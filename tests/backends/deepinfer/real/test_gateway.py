@@ -1,5 +1,5 @@
-"""End to end on DeepInfer's real engine: the gateway's HTTP API with the openai SDK, one rank in process and two
-data-parallel ranks in worker processes (gloo). The stub model echoes the prompt, so outputs are known exactly."""
+"""End to end on DeepInfer's real engine: the gateway's HTTP API with the openai SDK, one rank in process (two
+data-parallel ranks: ``test_data_parallel.py``). The stub model echoes the prompt, so outputs are known exactly."""
 
 from __future__ import annotations
 
@@ -100,17 +100,3 @@ def test_metrics_export_the_real_schedulers_statistics(served: RunningGateway) -
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if label in line}
     assert samples[f"gateway_engine_running_requests{label}"] == 0
     assert samples[f"gateway_engine_kv_cache_usage_ratio{label}"] == 0
-
-
-def test_two_data_parallel_ranks_serve_requests_in_lockstep_over_gloo(real_model_dir: Path) -> None:
-    running = start_gateway(gateway_config(real_model_dir, data_parallel_size=2, visible_devices="0,1"))
-    try:
-        client = client_of(running)
-        prompts = [f"alpha beta {word}" for word in ("gamma", "delta", "epsilon", "zeta")]
-        for prompt in prompts:
-            reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=50)
-            assert (reply.choices[0].text, reply.choices[0].finish_reason) == (prompt, "stop")
-        reply = client.completions.create(model=MODEL, prompt=prompts[:2], max_tokens=50)
-        assert sorted(choice.text for choice in reply.choices) == sorted(prompts[:2])
-    finally:
-        stop_gateway(running)

@@ -1,121 +1,72 @@
-"""When DeepInfer's real scheduler admits a prefill, counted in engine steps, each case in a process of its own.
+"""When DeepInfer's real scheduler admits a prefill, counted in engine steps: the timelines of ``../admission.py``
+(the double's ``test_prefill_admission.py`` asserts the same numbers on the double).
 
-DeepInfer reads its prefill intervals once per process (when ``deepinfer.config`` is imported), so each case starts
-a fresh harness interpreter that builds its engine with the binding's ``start_engine``.
+DeepInfer reads its prefill intervals once per process (when ``deepinfer.config`` is imported): a single-rank
+timeline with this session's values (``ENGINE_ENV``) runs in process; the others run each rank in a process of its
+own, as background jobs started with the session.
 """
 
 from __future__ import annotations
 
-import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from backends.deepinfer.environment import free_rendezvous_port
 
-from .conftest import run_script
+from ..admission import TIMELINES, Timeline, gather, play, spawn
+from .conftest import ENGINE_ENV, FRESH_TIMELINE, Background, background_job, fresh_process_facts
 
-SINGLE_RANK = """
-import json, sys
-import numpy as np
-from backends.config import DeepInferBackendConfig
-from backends.deepinfer.startup import start_engine
-
-model, env = sys.argv[1], json.loads(sys.argv[2])
-env["DEEPINFER_USE_NEXTN_DECODE"] = "0"
-config = DeepInferBackendConfig(name="d", model=model, max_model_len=256, max_num_seqs=8, env=env)
-engine = start_engine(config)
-prompt = np.asarray(engine.tokenizer.encode("alpha beta").ids, dtype=np.int32)
-engine.add_request("u", "busy", {"max_tokens": 400, "ignore_eos": True}, prompt)
-for _ in range(6):
-    engine.step()
-engine.add_request("u", "late", {"max_tokens": 2, "ignore_eos": True}, prompt)
-steps = 0
-while not any(o.request_id == "late" for o in engine.step()):
-    steps += 1
-    assert steps < 300
-print(json.dumps({"late_first_token_after_steps": steps + 1}))
-engine.close()
-"""
-
-TWO_RANKS = """
-import json, sys
-import numpy as np
-from backends.config import DeepInferBackendConfig
-from backends.deepinfer.startup import start_engine
-
-rank, model, env = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-env["DEEPINFER_USE_NEXTN_DECODE"] = "0"
-config = DeepInferBackendConfig(
-    name="d", model=model, max_model_len=256, max_num_seqs=8, data_parallel_size=2, visible_devices="0,1", env=env
+READ_ONCE = (
+    "DEEPINFER_PREFILL_ATTEMPT_INTERVAL",
+    "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL",
+    "DEEPINFER_USE_NEXTN_DECODE",
 )
-engine = start_engine(config.model_copy(update={"visible_devices": str(rank)}), engine_rank=rank)
-prompt = np.asarray(engine.tokenizer.encode("alpha beta").ids, dtype=np.int32)
-if rank == 0:  # rank 1 stays idle: its steps are placeholders in lockstep with rank 0's
-    engine.add_request("u", "r0", {"max_tokens": 3, "ignore_eos": True}, prompt)
-first = None
-for step in range(110):  # the same number of steps on both ranks: each is a collective
-    if engine.step() and first is None:
-        first = step
-print(json.dumps({"rank": rank, "first_output_at_step": first}))
-engine.close()
-"""
+"""What DeepInfer reads once per process (at import, or on first use)."""
 
 
-def _single_rank(model_dir: Path, env: dict[str, str]) -> int:
-    out = run_script(SINGLE_RANK, str(model_dir), json.dumps(env))
-    return json.loads(out.strip().splitlines()[-1])["late_first_token_after_steps"]
+def in_session(timeline: Timeline) -> bool:
+    return timeline.ranks == 1 and all(timeline.env.get(name) == ENGINE_ENV.get(name) for name in READ_ONCE)
 
 
-def test_mid_decode_arrival_waits_for_deepinfers_default_interval(real_model_dir: Path) -> None:
-    """Without the gateway's setting, DeepInfer tries a prefill only every 70 decode steps."""
-    assert _single_rank(real_model_dir, {}) >= 60
+def _job(timeline: Timeline) -> None:
+    @background_job(f"timeline:{timeline.name}")
+    def start(model_dir: Path) -> list[subprocess.Popen[str]]:
+        inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        env = {**inherited, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_rendezvous_port())}
+        return spawn(timeline, model_dir, env)
 
 
-def test_documented_interval_prefills_a_mid_decode_arrival_at_the_next_step(real_model_dir: Path) -> None:
-    assert _single_rank(real_model_dir, {"DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1"}) == 1
+def job_name(timeline: Timeline) -> str | None:
+    """The background job that plays it; ``None``: in this process."""
+    if in_session(timeline):
+        return None
+    return "fresh-process" if timeline.name == FRESH_TIMELINE else f"timeline:{timeline.name}"
 
 
-def _two_ranks(model_dir: Path, env: dict[str, str]) -> dict[int, int | None]:
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    from .conftest import REPO
-
-    rendezvous = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_rendezvous_port())}
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(TWO_RANKS), str(rank), str(model_dir), json.dumps(env)],
-            env=rendezvous,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    firsts: dict[int, int | None] = {}
-    for process in processes:
-        out, err = process.communicate(timeout=120)
-        assert process.returncode == 0, f"rank failed:\n{out}\n{err}"
-        result = json.loads(out.strip().splitlines()[-1])
-        firsts[result["rank"]] = result["first_output_at_step"]
-    return firsts
+def _case(timeline: Timeline) -> object:
+    name = job_name(timeline)
+    if name is not None and name.startswith("timeline:"):
+        _job(timeline)
+    marks = [] if name is None else [pytest.mark.background(name)]
+    return pytest.param(timeline, id=timeline.name, marks=marks)
 
 
-@pytest.mark.parametrize(
-    ("env", "first_step"),
-    [
-        ({"DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1"}, 100),
-        ({"DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1", "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": "1"}, 1),
-    ],
-    ids=["any-interval-default", "any-interval-1"],
-)
-def test_a_rank_whose_peers_are_idle_prefills_at_the_any_interval(
-    real_model_dir: Path, env: dict[str, str], first_step: int
+@pytest.mark.parametrize("timeline", [_case(t) for t in TIMELINES])
+def test_deepinfer_admits_prefills_at_the_measured_steps(
+    real_model_dir: Path, background: Background, timeline: Timeline
 ) -> None:
-    """Two DP ranks over gloo: rank 0 has a request, rank 1 none. All ranks must want a prefill at the ALL
-    interval; one alone waits for the ANY interval (DeepInfer's default 100 steps), so the deployment sets both."""
-    assert _two_ranks(real_model_dir, env) == {0: first_step, 1: None}
+    """Each timeline's first and final output steps: see its ``doc`` (e.g. with DeepInfer's default interval a
+    mid-decode arrival waits for decode step 70; with two ranks a lone rank's request waits for the ANY point, step
+    100 by default, step 1 with ``DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL=1``)."""
+    name = job_name(timeline)
+    if name is None:
+        played = play(timeline, str(real_model_dir))
+    elif name == "fresh-process":
+        played = fresh_process_facts(background)["timeline"]
+    else:
+        played = gather(background.processes(name))
+    got = {request_id: (first, last) for request_id, (first, last) in played.items()}
+    assert got == timeline.expected, timeline.doc

@@ -3,35 +3,37 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from backends.deepinfer.startup import DeepInferStartupError
 
-from .conftest import run_script, start
+from .conftest import Background, background_job, fresh_process_facts, launch_script, start
 
 
-def test_deepinfer_c_loads_only_after_torch() -> None:
+@background_job("c-before-torch")
+def _c_before_torch(model_dir: Path) -> list[subprocess.Popen[str]]:
+    return [launch_script("import deepinfer\nfrom deepinfer._C.engine import RequestOutput\n")]
+
+
+@pytest.mark.background("c-before-torch")
+@pytest.mark.background("fresh-process")
+def test_deepinfer_c_loads_only_after_torch(background: Background) -> None:
     """The trap the binding must avoid: DeepInfer's ``__init__`` never imports torch, so ``_C`` right after it fails
     to load ``libc10.so``; DeepInfer's own modules always import torch first."""
-    failing = "import deepinfer\nfrom deepinfer._C.engine import RequestOutput\n"
     with pytest.raises(AssertionError, match=r"libc10\.so: cannot open shared object file"):
-        run_script(failing)
-    assert run_script("import torch\nimport deepinfer\nfrom deepinfer._C.engine import RequestOutput\nprint('ok')\n")
+        background.output("c-before-torch")
+    # The same import with torch loaded first (the binding imports deepinfer, then torch, then _C) works.
+    assert fresh_process_facts(background)["imported"][1] == "deepinfer._C.engine"
 
 
-def test_the_binding_imports_deepinfer_in_a_fresh_process() -> None:
-    out = run_script(
-        """
-        import sys
-        from backends.deepinfer.startup import import_deepinfer
-        assert "torch" not in sys.modules and "deepinfer" not in sys.modules
-        modules = import_deepinfer()
-        print(modules.version, modules.RequestOutput.__module__)
-        """
-    )
-    assert out.split() == ["0.1.0", "deepinfer._C.engine"]
+@pytest.mark.background("fresh-process")
+def test_the_binding_imports_deepinfer_in_a_fresh_process(background: Background) -> None:
+    facts = fresh_process_facts(background)
+    assert facts["imported_before"] == [], "nothing had imported torch or deepinfer before the binding"
+    assert facts["imported"] == ["0.1.0", "deepinfer._C.engine"]
 
 
 def test_engine_starts_from_the_backend_config(real_model_dir: Path) -> None:
@@ -59,25 +61,10 @@ def test_construction_failure_is_a_startup_error(real_model_dir: Path, tmp_path:
         start(tmp_path)
 
 
-def test_deepinfer_cannot_build_a_second_engine_in_a_process(real_model_dir: Path) -> None:
+@pytest.mark.background("fresh-process")
+def test_deepinfer_cannot_build_a_second_engine_in_a_process(background: Background) -> None:
     """DeepInfer caches its process groups for the life of the process, so after ``close()`` a new engine gets the
     destroyed ones and fails to start: restarting an engine means a new process. (The harness clears that cache for
     the other tests, which build many engines in one process.)"""
-    out = run_script(
-        """
-        import sys
-        from backends.config import DeepInferBackendConfig
-        from backends.deepinfer.startup import DeepInferStartupError, start_engine
-
-        env = {"DEEPINFER_USE_NEXTN_DECODE": "0"}
-        config = DeepInferBackendConfig(name="d", model=sys.argv[1], max_model_len=256, max_num_seqs=8, env=env)
-        start_engine(config).close()
-        try:
-            start_engine(config)
-        except DeepInferStartupError as exc:
-            print("refused:", exc)
-        """,
-        str(real_model_dir),
-        env={"DEEPINFER_HARNESS_KEEP_GROUP_CACHE": "1"},
-    )
-    assert "refused:" in out and "is not registered" in out
+    second = fresh_process_facts(background)["second_engine"]
+    assert second.startswith("refused:") and "is not registered" in second

@@ -20,7 +20,8 @@ gloo, ``close()`` and its barriers):
   "samples" its prompt back, token by token after the first (BOS), then EOS (id 1). The worker's GPU set-up
   (device binding, memory profiling, the KV cache) is replaced by host tensors of ``HARNESS_KV_BLOCKS`` blocks.
 
-Knob: ``DEEPINFER_HARNESS_KV_BLOCKS`` (default 1024 blocks of 64 tokens).
+Knobs: ``DEEPINFER_HARNESS_KV_BLOCKS`` (default 1024 blocks of 64 tokens); ``DEEPINFER_HARNESS_FORWARD_SECONDS``
+(default 0), how long each forward of the stub model takes, so a test can keep a request running while it acts.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ class StubModelRunner:
         self.sampled: dict[str, int] = {}
         self.forwards: list[tuple[bool, list[str]]] = []
         """(is_prompt, request ids) of each forward, placeholders included: what tests count steps with."""
+        self.forward_seconds = float(os.environ.get("DEEPINFER_HARNESS_FORWARD_SECONDS", "0"))
 
     def load_model(self, skip_load: bool = False) -> None:
         return None
@@ -205,6 +207,8 @@ class StubModelRunner:
         is_prompt = bool(seq_metadata_list[0].is_prompt)
         self.forwards.append((is_prompt, [m.request_id for m in seq_metadata_list]))
         metadata = types.SimpleNamespace(is_prompt=is_prompt, num_reqs=len(seq_metadata_list))
+        if self.forward_seconds:
+            time.sleep(self.forward_seconds)  # the model's compute time, not synchronisation
         return MainModelOutput(model_output=None, input_metadata=metadata)
 
     def execute_sample(self, seq_metadata_list: list[Any], input_metadata: Any, model_output: Any, kv_caches: Any):

@@ -213,6 +213,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.blocks = 0
         self.schedulable = multi_modal_data is None
+        self.holds_slot = False  # finished after running: still in DeepInfer's ``running`` until a decode schedule
         self.echo: list[int] = []  # the double's "model": which tokens this request repeats
 
     def get_prompt_len(self) -> int:
@@ -273,6 +274,10 @@ class Scheduler:
     def free(self, seq: Sequence) -> None:
         self.free_blocks += seq.blocks
         seq.blocks = 0
+
+    def occupied_slots(self) -> int:
+        """Running requests, and finished ones still in DeepInfer's ``running`` list: what ``max_num_seqs`` caps."""
+        return len(self.running) + sum(seq.holds_slot for seq in self.retiring)
 
     def get_num_free_gpu_blocks(self) -> int:
         return self.free_blocks

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import torch  # noqa: F401  # as in DeepInfer: torch is loaded before deepinfer._C
+import torch  # as in DeepInfer: torch is loaded before deepinfer._C
 from deep_cluster.hardware import get_bf16_tflops_limit
 
 from deepinfer import _double, envs
@@ -39,6 +39,8 @@ NUM_MM_SPECIAL = 5
 SO_COMPILE_STEPS = 2
 """``step()`` calls a grammar takes to "compile"; meanwhile the request is invisible to ``abort_request``."""
 SYNTHETIC_LOGPROB = 1.0
+PREFILL_KV_WATERMARK = 0.9
+"""A rank wants a prefill only while at most this share of its KV blocks is in use (DeepInfer's watermark)."""
 
 
 class LLMEngine:
@@ -228,15 +230,21 @@ class LLMEngine:
         _double.STEP_GATE.wait()
         self.request_output_pool.release()
         scheduler = self.scheduler
-        if scheduler.retiring:  # the schedule drops sequences whose final output was already returned
-            in_flight = {o.request_id for o in self._deferred}
-            scheduler.retiring = [seq for seq in scheduler.retiring if seq.request_id in in_flight]
+        in_flight = {o.request_id for o in self._deferred}
+        if scheduler.retiring:  # the schedule drops sequences whose final output was already returned ...
+            scheduler.retiring = [s for s in scheduler.retiring if s.request_id in in_flight or s.holds_slot]
         records, self._deferred = self._deferred, []
         records += self._synthetic_outputs()
-        if self._prefill_due():
-            records += self._prefill()
+        prefill = self._schedule_by_vote()
+        for seq in scheduler.waiting:  # a multimodal round trip's result is fetched in this step
+            seq.schedulable = True
+        if prefill is not None:  # a prompt step, or an idle rank's empty one in lockstep with its peers
+            records += prefill
             scheduler.decode_step = 0
         else:
+            # ... but a request that finished running leaves ``running`` (and frees its slot) only in a decode
+            # schedule: DeepInfer tries the prefill first, so a waiting request cannot take that slot yet.
+            scheduler.retiring = [s for s in scheduler.retiring if s.request_id in in_flight]
             current = self._decode()
             scheduler.decode_step += 1
             if self.zero_overhead_scheduling:
@@ -315,28 +323,62 @@ class LLMEngine:
             else:
                 self.scheduler.add_sequence(seq)
 
-    def _prefill_due(self) -> bool:
+    def _schedule_by_vote(self) -> list[_Output] | None:
+        """DeepInfer's NORMAL step type: a prompt step (its outputs; ``[]`` for an empty one) or ``None`` (decode).
+
+        A prefill is tried only at an ALL point (``decode_step % prefill_attempt_interval == 0``: every DP rank must
+        want one) or an ANY point (``decode_step != 0`` and a multiple of ``prefill_any_attempt_interval``: one
+        rank suffices; a step that is both counts as ANY). A rank wants one when its KV usage is at most the
+        watermark and the head of its waiting queue is schedulable. A second vote checks that some rank did
+        schedule something (slots or blocks may have run out); if one did, the others run an empty prompt step.
+        Both votes are DP all-reduces, so every rank takes the same step type and ``decode_step`` stays equal.
+        """
         scheduler, config = self.scheduler, self.scheduler_config
         step = scheduler.decode_step
-        if step % config.prefill_attempt_interval and not (step and step % config.prefill_any_attempt_interval == 0):
-            return False
-        if not scheduler.waiting:
-            return False
-        head = scheduler.waiting[0]
-        if not head.schedulable:
-            return False
-        if self._never_fits(head):
-            return True  # it will be ignored, which is progress
-        if len(scheduler.running) >= config.max_num_seqs:
-            return False
-        return scheduler.blocks_for(head.get_len() + 1) <= scheduler.free_blocks
+        any_point = step != 0 and step % config.prefill_any_attempt_interval == 0
+        all_point = step % config.prefill_attempt_interval == 0
+        if not (any_point or all_point):
+            return None
+        want = self._kv_usage() <= PREFILL_KV_WATERMARK and bool(scheduler.waiting) and scheduler.waiting[0].schedulable
+        if not self._vote_prefill(want, any_point):
+            return None
+        outputs = self._prefill() if want else None
+        if not self._vote_scheduled(outputs is not None):
+            return None
+        return outputs if outputs is not None else []
+
+    def _vote_prefill(self, want: bool, any_point: bool) -> bool:
+        """ANY: some rank wants a prefill; ALL: every rank does (a MAX all-reduce of "does not want" is 0)."""
+        if any_point:
+            return self._scheduler_vote(want) == 1
+        return self._scheduler_vote(not want) == 0
+
+    def _vote_scheduled(self, scheduled: bool) -> bool:
+        return self._scheduler_vote(scheduled) == 1
+
+    def _scheduler_vote(self, value: bool) -> int:
+        """A MAX all-reduce over the DP group (the scheduler's votes), a collective with DP > 1."""
+        group = PG.cpu_data_parallel_group() if self.zero_overhead_scheduling else PG.data_parallel_group()
+        if group.size() <= 1:
+            return int(value)
+        import torch.distributed as dist
+
+        tensor = torch.full((1,), int(value), dtype=torch.int64, device="cpu")
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        self.collectives += 1
+        return int(tensor.item())
+
+    def _kv_usage(self) -> float:
+        scheduler = self.scheduler
+        return (scheduler.num_gpu_blocks - scheduler.free_blocks) / scheduler.num_gpu_blocks
 
     def _never_fits(self, seq: Sequence) -> bool:
         scheduler = self.scheduler
         too_long = seq.get_prompt_len() > self.scheduler_config.prompt_limit
         return too_long or scheduler.blocks_for(seq.get_len() + 1) > scheduler.num_gpu_blocks - 1
 
-    def _prefill(self) -> list[_Output]:
+    def _prefill(self) -> list[_Output] | None:
+        """Admits waiting requests in order; ``None`` when it neither scheduled nor ignored any."""
         scheduler = self.scheduler
         records: list[_Output] = []
         while scheduler.waiting:
@@ -349,7 +391,7 @@ class LLMEngine:
                 records.append(self._synthetic(seq))
                 continue
             need = scheduler.blocks_for(seq.get_len() + 1)
-            if len(scheduler.running) >= self.scheduler_config.max_num_seqs or need > scheduler.free_blocks:
+            if scheduler.occupied_slots() >= self.scheduler_config.max_num_seqs or need > scheduler.free_blocks:
                 break
             scheduler.waiting.popleft()
             scheduler.free_blocks -= need
@@ -357,9 +399,7 @@ class LLMEngine:
             seq.status = SequenceStatus.RUNNING
             scheduler.running.append(seq)
             records += self._emit(seq, 1, 1, 1)
-        for seq in scheduler.waiting:  # a multimodal round trip takes one step
-            seq.schedulable = True
-        return records
+        return records or None
 
     def _decode(self) -> list[_Output]:
         scheduler = self.scheduler
@@ -436,6 +476,7 @@ class LLMEngine:
             if finished:
                 self.scheduler.running.remove(seq)
                 self.scheduler.free(seq)
+                seq.holds_slot = True
                 self.scheduler.retiring.append(seq)
                 break
         records[-1].draft_tok = draft_tok
