@@ -27,7 +27,11 @@ from ...conftest import wait_until
 from .conftest import DOUBLE_DIR, TORCH_DOUBLE_DIR
 
 MAX_MODEL_LEN = 1024
-ENGINE_ENV = {"DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1", "DEEPINFER_USE_NEXTN_DECODE": "0"}
+ENGINE_ENV = {
+    "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1",
+    "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": "1",  # the documented data-parallel setting (docs/deepinfer.md)
+    "DEEPINFER_USE_NEXTN_DECODE": "0",
+}
 
 
 def double_environment() -> dict[str, str]:
