@@ -83,7 +83,14 @@ async def _respond(
     timeouts = _timeouts(state)
     if stream:
         return await stream_response(
-            request, events, fmt, observer, include_usage=include_usage, headers=headers, timeouts=timeouts
+            request,
+            events,
+            fmt,
+            observer,
+            include_usage=include_usage,
+            headers=headers,
+            timeouts=timeouts,
+            ping_seconds=state.config.server.ping_seconds,
         )
     return await whole_response(
         request, events, fmt, observer, want_logprobs=want_logprobs, headers=headers, timeouts=timeouts
