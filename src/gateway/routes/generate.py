@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
@@ -134,7 +134,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         state,
         events,
         lambda fingerprint: ChatFormat(
-            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, fingerprint, body.n
+            f"chatcmpl-{os.urandom(16).hex()}", int(time.time()), body.model, fingerprint, body.n
         ),
         model=body.model,
         admission=admission,
@@ -182,7 +182,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         state,
         events,
         lambda fingerprint: CompletionFormat(
-            f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, fingerprint, choices
+            f"cmpl-{os.urandom(16).hex()}", int(time.time()), body.model, fingerprint, choices
         ),
         model=body.model,
         admission=admission,
