@@ -162,9 +162,10 @@ async def stream_response(
     except BaseException as exc:
         watch.close()
         await events.aclose()
-        _observe_failure(observer, ClientDisconnectedError() if watch.caused(exc) else exc)
-        if watch.disconnected:
-            raise ClientDisconnectedError from None
+        if watch.caused(exc):
+            _observe_failure(observer, ClientDisconnectedError())
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it: the request just ends here
+        _observe_failure(observer, exc)
         raise
     outcome = _Outcome()
 
@@ -270,9 +271,10 @@ async def whole_response(
         watch.close()
         disconnected = watch.caused(exc)
         await events.aclose()
-        _observe_failure(observer, ClientDisconnectedError() if disconnected else exc)
         if disconnected:
-            raise ClientDisconnectedError from None
+            _observe_failure(observer, ClientDisconnectedError())
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        _observe_failure(observer, exc)
         raise
     watch.close()
     await events.aclose()
