@@ -125,7 +125,7 @@ class EventStreamResponse(Response):
         stall = self._stall_timeout
         stalled = False
         try:
-            await send_within(send, {"type": "http.response.start", "status": 200, "headers": self.raw_headers}, stall)
+            await send_within(send, {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}, stall)
             self._last_write = loop.time()
             if self._ping_seconds:
                 self._timer = loop.call_later(self._ping_seconds, self._ping_due, send)
@@ -138,9 +138,9 @@ class EventStreamResponse(Response):
             stalled = True
         except asyncio.CancelledError as exc:
             if not self._watch.caused(exc):
-                await self._end(stalled=False)
-                raise
-        await self._end(stalled)
+                raise  # the server is stopping
+        finally:
+            await self._end(stalled)
 
     async def _end(self, stalled: bool) -> None:
         self._watch.close()
