@@ -125,7 +125,8 @@ class EventStreamResponse(Response):
         stall = self._stall_timeout
         stalled = False
         try:
-            await send_within(send, {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}, stall)
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            await send_within(send, start, stall)
             self._last_write = loop.time()
             if self._ping_seconds:
                 self._timer = loop.call_later(self._ping_seconds, self._ping_due, send)
