@@ -44,7 +44,8 @@ def _timeouts(state: GatewayState) -> Timeouts:
 
 
 def _fingerprint(backend: Backend) -> str:
-    return getattr(backend, "fingerprint", None) or f"fp_{backend.kind}"
+    """``system_fingerprint``: which kind of backend answered (no backend reports a build fingerprint of its own)."""
+    return f"fp_{backend.kind}"
 
 
 def _served_by(
