@@ -8,6 +8,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
+_ENDPOINT = r"^(tcp://[^:/]+:\d+|ipc:///.+)$"
+"""A rank worker's ZeroMQ endpoint (``worker_endpoints``)."""
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -58,10 +61,10 @@ class ReferenceBackendConfig(_Preparation):
     )
     lockstep: bool = Field(False, description="ranks step together, as DeepInfer's DP collectives require")
     worker_transport: Literal["ipc", "tcp"] = Field("ipc", description="how local workers are reached")
-    worker_endpoints: list[Annotated[str, Field(pattern=r"^(tcp://[^:/]+:\d+|ipc:///.+)$")]] = Field(
+    worker_endpoints: list[Annotated[str, Field(pattern=_ENDPOINT)]] = Field(
         default_factory=list,
-        description="ranks started elsewhere (python -m backends.workers.worker), one tcp://host:port (or "
-        "ipc:///path on this host) each",
+        description="ranks started elsewhere (deepinfer-gateway ranks), one tcp://host:port (or ipc:///path on "
+        "this host) each",
     )
 
     @model_validator(mode="after")
@@ -132,9 +135,21 @@ class DeepInferBackendConfig(_Preparation):
     env: dict[str, str] = Field(
         default_factory=dict, description="variables set before deepinfer is imported (DEEPINFER_*, NCCL_*, ...)"
     )
+    worker_endpoints: list[Annotated[str, Field(pattern=_ENDPOINT)]] = Field(
+        default_factory=list,
+        description="ranks started elsewhere (deepinfer-gateway ranks), one tcp://host:port (or ipc:///path on "
+        "this host) per DP rank, in rank order; the gateway connects to them and never starts or stops them",
+    )
+
+    @property
+    def uses_workers(self) -> bool:
+        """Whether this gateway process reaches its engine(s) in rank worker processes (``DataParallelBackend``)."""
+        return self.data_parallel_size > 1 or bool(self.worker_endpoints)
 
     @model_validator(mode="after")
     def _check_engine_arguments(self) -> DeepInferBackendConfig:
+        if self.worker_endpoints and len(self.worker_endpoints) != self.data_parallel_size:
+            raise ValueError("worker_endpoints must list exactly data_parallel_size endpoints, one per rank")
         cp, dp, ep = self.context_parallel_size, self.data_parallel_size, self.expert_parallel_size
         if (cp * dp) % ep:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""The ``deepinfer-gateway`` command: ``serve``, ``bench`` and ``config check``."""
+"""The ``deepinfer-gateway`` command: ``serve``, ``ranks`` (a node's rank workers), ``bench`` and ``config check``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,49 @@ def serve(
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from exc
     run_server(settings)
+
+
+@app.command()
+def ranks(
+    backend: Annotated[str, typer.Option(help="Name of the backend whose ranks to run (kind deepinfer or reference).")],
+    config: ConfigOption = None,
+    nodes: Annotated[int, typer.Option(help="Nodes the backend's ranks are shared by, equally.")] = 1,
+    node: Annotated[int, typer.Option(help="This node's index, 0..nodes-1 (node 0 runs rank 0).")] = 0,
+    host: Annotated[str, typer.Option(help="Address the ranks bind (each at its worker_endpoints port).")] = "0.0.0.0",
+    master_addr: Annotated[
+        str | None, typer.Option(help="Host of DeepInfer's rendezvous, rank 0's node (overrides master_addr).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="critical, error, warning, info or debug.")] = "info",
+) -> None:
+    """Run this node's share of a backend's rank workers, for gateways that list them in worker_endpoints.
+
+    Exits 1 when a rank fails (its group restarts whole, by whatever runs the nodes), 0 on SIGTERM or when the
+    group stopped together."""
+    from backends.config import DeepInferBackendConfig, ReferenceBackendConfig
+    from backends.registry import node_worker_plan
+    from backends.workers.node import NodeShare, RankNode, bind_address
+    from gateway.logs import configure_logging
+
+    try:
+        settings = load_config(config)
+    except ConfigError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from exc
+    configure_logging(log_level)
+    chosen = next((b for b in settings.backends if b.name == backend), None)
+    try:
+        if chosen is None:
+            raise ValueError(f"no backend {backend!r} (declared: {[b.name for b in settings.backends]})")
+        if not isinstance(chosen, ReferenceBackendConfig | DeepInferBackendConfig) or not chosen.worker_endpoints:
+            raise ValueError(f"backend {backend!r} lists no worker_endpoints: the gateway starts its ranks itself")
+        endpoints = chosen.worker_endpoints
+        share = NodeShare(len(endpoints), nodes, node)
+        plan = node_worker_plan(chosen, share.ranks, master_addr)
+        bound = [bind_address(endpoints[rank], host) for rank in share.ranks]
+    except ValueError as exc:
+        typer.echo(f"ranks: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    raise typer.Exit(RankNode(backend, plan, share.ranks, bound).run())
 
 
 REDACTED = "<redacted>"

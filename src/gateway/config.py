@@ -22,7 +22,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from backends.config import BackendConfig, DeepInferBackendConfig, LMDeployBackendConfig, ReferenceBackendConfig
+from backends.config import BackendConfig, ReferenceBackendConfig
 
 DEFAULT_MODEL_NAME = "deepinfer-reference"
 DEFAULT_BACKEND_NAME = "reference"
@@ -283,22 +283,6 @@ class GatewayConfig(BaseSettings):
             raise ValueError(f"models: duplicate model name(s) {duplicates}")
         if not self.models:
             raise ValueError("models: at least one model must be served")
-        if self.server.workers > 1:
-            # Rank workers (data_parallel_size, worker_processes, worker_endpoints) accept every front end as a
-            # dispatcher; the front-end supervisor starts local ranks once. A reference engine without workers is
-            # small enough to run once per front end. What is left cannot be shared yet:
-            for i, backend in enumerate(self.backends):
-                if isinstance(backend, DeepInferBackendConfig):
-                    raise ValueError(
-                        f"backends[{i}]: server.workers > 1 is not supported with a deepinfer backend yet: each "
-                        "front-end process would load its own DeepInfer engine on the same GPUs; serve it from one "
-                        "front end (server.workers: 1)"
-                    )
-                if not isinstance(backend, ReferenceBackendConfig | LMDeployBackendConfig):
-                    raise ValueError(
-                        f"backends[{i}]: server.workers > 1 would start one engine per front-end process; "
-                        "serve this backend from one front end (server.workers: 1)"
-                    )
         for i, model in enumerate(self.models):
             for j, target in enumerate(model.targets()):
                 if target.backend not in names:

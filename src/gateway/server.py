@@ -22,8 +22,9 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import multiprocess
 
-from backends.config import BackendConfig, ReferenceBackendConfig
+from backends.config import BackendConfig, DeepInferBackendConfig, ReferenceBackendConfig
 from backends.heap import cap_mmap_threshold
+from backends.workers.driver import WorkerPlan
 from backends.workers.host import RankHost
 from gateway.app import create_app
 from gateway.config import GatewayConfig, ServerConfig
@@ -105,9 +106,19 @@ def run_server(settings: GatewayConfig) -> None:
         FrontEndSupervisor(settings).run()
 
 
-def hosted_ranks(backend: BackendConfig) -> bool:
-    """Whether the front-end supervisor starts this backend's rank workers (once, for every front end)."""
-    return isinstance(backend, ReferenceBackendConfig) and backend.uses_workers and not backend.worker_endpoints
+def hosted_plan(backend: BackendConfig) -> WorkerPlan | None:
+    """The rank workers the front-end supervisor starts for this backend, once for every front end (None: each
+    front end serves it alone, or its ranks are started elsewhere). Every DeepInfer engine, even a single one,
+    lives in a rank worker: N front ends cannot each build an engine on the same devices."""
+    if isinstance(backend, ReferenceBackendConfig) and backend.uses_workers and not backend.worker_endpoints:
+        from backends.reference.backend import reference_worker_plan
+
+        return reference_worker_plan(backend)
+    if isinstance(backend, DeepInferBackendConfig) and not backend.worker_endpoints:
+        from backends.deepinfer.backend import deepinfer_worker_plan
+
+        return deepinfer_worker_plan(backend)
+    return None
 
 
 class FrontEndSupervisor:
@@ -137,13 +148,11 @@ class FrontEndSupervisor:
     def _host_ranks(self, run_dir: str) -> GatewayConfig:
         """Starts the ranks of every backend that has them; returns the settings the front ends run with (those
         backends' ranks as ``worker_endpoints``)."""
-        from backends.reference.backend import reference_worker_plan
-
         backends: list[BackendConfig] = []
         for backend in self.settings.backends:
-            if hosted_ranks(backend):
-                assert isinstance(backend, ReferenceBackendConfig)
-                host = RankHost(backend.name, reference_worker_plan(backend), run_dir)
+            plan = hosted_plan(backend)
+            if plan is not None:
+                host = RankHost(backend.name, plan, run_dir)
                 host.start()
                 self.hosts.append(host)
                 backend = backend.model_copy(update={"worker_endpoints": host.endpoints})

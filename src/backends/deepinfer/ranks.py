@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
 
+    from backends.workers.driver import WorkerPlan
     from backends.workers.worker import RankContext, RankEngine
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -83,6 +84,67 @@ class RankEnvironment:
         return env
 
 
+class NodeRankEnvironment:
+    """``WorkerPlan.rank_env`` for the ranks one node of several runs (``deepinfer-gateway ranks``): rank r gets its
+    share of this node's devices, counted from the node's first rank, and every rank of every node meets at one
+    rendezvous, ``master_addr`` (rank 0's node) and a fixed ``master_port``."""
+
+    def __init__(self, config: DeepInferBackendConfig, first_rank: int, devices: list[str], port: int) -> None:
+        self.config = config
+        self.first_rank = first_rank
+        self.devices = devices
+        self.port = port
+
+    def __call__(self, rank: int) -> dict[str, str]:
+        cp = self.config.context_parallel_size
+        slot = rank - self.first_rank
+        devices = ",".join(self.devices[slot * cp : (slot + 1) * cp])
+        env = {"CUDA_VISIBLE_DEVICES": devices, "MASTER_ADDR": self.config.master_addr, "MASTER_PORT": str(self.port)}
+        if self.config.accelerator == "ascend":
+            env["ASCEND_RT_VISIBLE_DEVICES"] = devices
+        return env
+
+
+def node_worker_plan(
+    config: DeepInferBackendConfig, ranks: range, environ: Mapping[str, str], master_addr: str | None = None
+) -> WorkerPlan:
+    """The plan a node runs ``ranks`` of the group with: the node's own devices (``visible_devices``, else its
+    ``CUDA_VISIBLE_DEVICES``, else 0..n-1), each rank built as DP rank ``rank`` of ``data_parallel_size``.
+
+    A group on several nodes needs a fixed ``master_port``: ranks on different hosts must agree on it without
+    talking first. A node that runs every rank may pick a free one.
+    """
+    from backends.workers.driver import WorkerPlan
+
+    if master_addr is not None:
+        config = config.model_copy(update={"master_addr": master_addr})
+    port = config.master_port
+    if port is None:
+        if len(ranks) != config.data_parallel_size:
+            raise ValueError(f"backend {config.name!r}: ranks on several nodes meet at one rendezvous; set master_port")
+        port = free_rendezvous_port()
+    listed = config.visible_devices or environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None and config.accelerator == "ascend":
+        listed = environ.get("ASCEND_RT_VISIBLE_DEVICES")
+    needed = config.context_parallel_size * len(ranks)
+    devices = [d.strip() for d in listed.split(",") if d.strip()] if listed else list(map(str, range(needed)))
+    if len(devices) < needed:
+        raise ValueError(
+            f"backend {config.name!r}: this node has {len(devices)} visible devices ({','.join(devices)}) for "
+            f"{len(ranks)} ranks x context_parallel_size {config.context_parallel_size}"
+        )
+    # The workers take their devices from CUDA_VISIBLE_DEVICES (``_own_devices``): the config's list, if any, is
+    # this node's, not the group's.
+    options = config.model_copy(update={"visible_devices": None}).model_dump(mode="json")
+    return WorkerPlan(
+        size=config.data_parallel_size,
+        factory="backends.deepinfer.ranks:build_rank_engine",
+        options=options,
+        lockstep=config.data_parallel_size > 1,
+        rank_env=NodeRankEnvironment(config, ranks.start, devices[:needed], port),
+    )
+
+
 def load_tokenizer(config: DeepInferBackendConfig) -> Tokenizer:
     """The gateway encodes prompts and decodes outputs itself: the model directory's ``tokenizer.json``, with the
     placeholder tokens DeepInfer's release policy adds, so its ids match what the in-process engine would use."""
@@ -135,10 +197,12 @@ class TorchDataParallelGroup:
 
 
 def build_rank_engine(context: RankContext) -> RankEngine:
-    """Runs in worker process ``context.rank``, on its main thread: that rank's engine and its DP group.
+    """Runs in worker process ``context.rank``, on its main thread: that rank's engine and, with several ranks, its
+    DP group.
 
     No ``LockstepEngine`` wrapper: DeepInfer's own ``has_unfinished_requests``, ``step`` and ``close`` are the
-    collectives the lockstep loop is written for.
+    collectives the lockstep loop is written for. A single rank (``data_parallel_size`` 1, hosted in a worker so
+    that several front ends share it) has nothing to keep in step.
     """
     from backends.deepinfer.startup import start_engine
     from backends.workers.worker import RankEngine
@@ -146,15 +210,27 @@ def build_rank_engine(context: RankContext) -> RankEngine:
     config = DeepInferBackendConfig.model_validate(context.options)
     if config.data_parallel_size != context.size:
         raise ValueError(f"rank {context.rank}: configured for {config.data_parallel_size} ranks, not {context.size}")
-    if not context.lockstep:
+    if context.size > 1 and not context.lockstep:
         raise ValueError("DeepInfer's data-parallel ranks must run in lockstep")
-    devices = rank_devices(config, context.rank)
-    if os.environ.get("CUDA_VISIBLE_DEVICES") not in (None, devices):
-        raise ValueError(
-            f"rank {context.rank}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}, but its devices are "
-            f"{devices}"
-        )
+    devices = _own_devices(config, context.rank)
     engine = start_engine(config.model_copy(update={"visible_devices": devices}), engine_rank=context.rank)
     # No engine.close() if this fails: close is a collective the other ranks are not in. The process exits and
     # the dispatcher restarts the group.
-    return RankEngine(engine, TorchDataParallelGroup())
+    return RankEngine(engine, TorchDataParallelGroup() if context.size > 1 else None)
+
+
+def _own_devices(config: DeepInferBackendConfig, rank: int) -> str:
+    """The rank's devices: its share of the resolved ``visible_devices`` (which its ``CUDA_VISIBLE_DEVICES`` must
+    match), or, for ranks a node launches (``visible_devices`` unset), the ``CUDA_VISIBLE_DEVICES`` it was given."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if config.visible_devices is None:
+        if not given or len(given.split(",")) != config.context_parallel_size:
+            raise ValueError(
+                f"rank {rank}: CUDA_VISIBLE_DEVICES={given!r} must list its context_parallel_size "
+                f"({config.context_parallel_size}) devices"
+            )
+        return given
+    devices = rank_devices(config, rank)
+    if given not in (None, devices):
+        raise ValueError(f"rank {rank}: CUDA_VISIBLE_DEVICES={given}, but its devices are {devices}")
+    return devices

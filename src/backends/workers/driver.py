@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_SECONDS = 15.0
 """How long ``stop()`` waits for workers to close their engines before killing them."""
 HEARTBEAT_CHECK_SECONDS = 1.0
+HELLO_AGAIN_SECONDS = 2.0
+HELLO_AGAIN_MAX_SECONDS = 30.0
+"""A remote rank that does not answer our hello is greeted again after 2 s, then 4, 8, ... up to every 30 s."""
 _UINT64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
@@ -128,7 +131,9 @@ class RankState:
         self.requests: set[str] = set()
         self.queued_tokens = 0
         self.others = m.RankLoad(0, 0)  # what the rank holds for other dispatchers, as it last reported
-        self.hello_pending = False  # our RESET is not answered yet
+        self.hellos = 0  # RESETs sent on this socket and not answered yet
+        self.hello_at = 0.0  # when the last one was sent
+        self.hello_again = HELLO_AGAIN_SECONDS  # a starting remote rank not answering is greeted again after this
         self.adds: list[list[Any]] = []
         self.aborts: list[str] = []
         self.stats: m.RankStats | None = None
@@ -272,6 +277,8 @@ class DataParallelDriver:
         self.supervisor = RankSupervisor(
             plan.size, policy, self.clock or loop, self, lockstep=plan.lockstep, local=not plan.remote_endpoints
         )
+        # From the start on: a rank up before the others is pinged (its lease), a remote one still loading greeted.
+        self._heartbeat = loop.call_later(HEARTBEAT_CHECK_SECONDS, self._check_heartbeats)
         try:
             self.supervisor.start()
             await self._started
@@ -283,7 +290,6 @@ class DataParallelDriver:
         info = self.ranks[0].info
         assert info is not None
         self.engine = RankedEngineView(tokenizer, info, self)
-        self._heartbeat = loop.call_later(HEARTBEAT_CHECK_SECONDS, self._check_heartbeats)
 
     async def stop(self) -> None:
         """Fails outstanding requests, has every local rank close its engine (together, in lockstep), reaps them."""
@@ -491,10 +497,10 @@ class DataParallelDriver:
         entry.queued = 0
 
     def _on_ready(self, rank: RankState, pid: int, info: m.EngineInfo) -> None:
-        answer = rank.hello_pending
-        rank.hello_pending = False
+        answer = rank.hellos > 0
+        rank.hellos = max(0, rank.hellos - 1)
         if rank.state == "up" and answer:
-            return  # the answer to the RESET sent after an unsolicited READY
+            return  # the answer to a further RESET: one sent again while starting, or after an unsolicited READY
         if rank.state == "up":
             # Unsolicited: the rank does not know us. A new incarnation behind the same endpoint (remote ranks, or
             # ranks the front-end supervisor hosts), or it dropped us when our lease ran out: our requests are gone.
@@ -587,7 +593,9 @@ class DataParallelDriver:
         rank.socket = socket
         rank.last_heard = time.monotonic()
         self._loop.add_reader(socket.FD, self._on_readable, rank.index)
-        rank.hello_pending = True
+        rank.hellos = 1
+        rank.hello_at = rank.last_heard
+        rank.hello_again = HELLO_AGAIN_SECONDS
         self._send(rank, [m.RESET])  # queued until connected; the worker answers READY
 
     def _close_socket(self, rank: RankState) -> None:
@@ -669,9 +677,24 @@ class DataParallelDriver:
                 continue
             if rank.state == "up" and rank.socket is not None:
                 self._send(rank, [m.PING])  # renews our lease on the rank (redundant if its queue is full)
+                if rank.hellos and now - rank.hello_at > self.plan.heartbeat_timeout:
+                    rank.hellos = 0  # unanswered by now: lost with an incarnation that died while loading
+            elif rank.state == "starting" and rank.remote and rank.socket is not None:
+                self._greet_again(rank, now)
             if rank.adds or rank.aborts:
                 self._schedule_flush()  # commands held back by a full queue (normally ``_on_readable`` resends)
         self._heartbeat = self._loop.call_later(HEARTBEAT_CHECK_SECONDS, self._check_heartbeats)
+
+    def _greet_again(self, rank: RankState, now: float) -> None:
+        """A rank started elsewhere may have taken our hello and died while loading; its replacement behind the same
+        endpoint (our socket reconnects by itself) never heard it. So a starting remote rank is greeted again, at
+        growing intervals: a rank still loading answers every RESET with READY once its engine is up."""
+        if now - rank.hello_at < rank.hello_again:
+            return
+        if self._send(rank, [m.RESET]):
+            rank.hellos += 1
+        rank.hello_at = now
+        rank.hello_again = min(HELLO_AGAIN_MAX_SECONDS, rank.hello_again * 2)
 
     def _reasons(self) -> str:
         return "; ".join(f"rank {r.index}: {r.reason}" for r in self.ranks if not self._usable(r)) or "none"

@@ -49,6 +49,8 @@ def test_max_model_len_is_required() -> None:
             "max_num_seqs x",
         ),
         ({"accelerator": "ascend", "env": {"DEEPINFER_BATCH_INVARIANT": "1"}}, "NVIDIA-only"),
+        ({"data_parallel_size": 2, "worker_endpoints": ["tcp://a:5600"]}, "exactly data_parallel_size endpoints"),
+        ({"worker_endpoints": ["http://a:5600"]}, "pattern"),
     ],
 )
 def test_invalid_engine_settings_fail_config_validation(overrides: dict[str, Any], message: str) -> None:
@@ -59,6 +61,19 @@ def test_invalid_engine_settings_fail_config_validation(overrides: dict[str, Any
 def test_data_parallel_config_is_accepted_with_a_device_group_per_rank() -> None:
     parsed = config(data_parallel_size=2, context_parallel_size=2, expert_parallel_size=4, visible_devices="0,1,2,3")
     assert (parsed.data_parallel_size, parsed.master_addr, parsed.master_port) == (2, "127.0.0.1", None)
+
+
+def test_ranks_on_other_hosts_are_reached_never_started() -> None:
+    from backends.deepinfer.backend import build_deepinfer_backend
+    from backends.workers.backend import DataParallelBackend
+
+    endpoints = ["tcp://node-0:5600", "tcp://node-1:5600"]
+    backend = build_deepinfer_backend(config(data_parallel_size=2, worker_endpoints=endpoints))
+    assert isinstance(backend, DataParallelBackend)
+    plan = backend.driver.plan
+    assert (plan.remote_endpoints, plan.lockstep, plan.rank_env) == (endpoints, True, None)
+    single = build_deepinfer_backend(config(worker_endpoints=["tcp://node-0:5600"]))
+    assert isinstance(single, DataParallelBackend), "one remote engine is reached as a rank too"
 
 
 def test_valid_multi_gpu_config() -> None:

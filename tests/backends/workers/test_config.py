@@ -32,17 +32,16 @@ def test_remote_endpoints_must_name_every_rank() -> None:
         ReferenceBackendConfig(name="r", data_parallel_size=2, worker_processes=False)
 
 
-def test_front_end_processes_share_rank_workers_but_not_an_in_process_deepinfer_engine() -> None:
+def test_front_end_processes_share_rank_workers_and_deepinfer_engines() -> None:
     from gateway.config import GatewayConfig
 
     models = [{"name": "m", "backends": ["r"]}]
+    deepinfer = {"name": "r", "kind": "deepinfer", "model": "/models/x", "max_model_len": 4096}
     for backend in (
         {"name": "r", "kind": "reference", "data_parallel_size": 2},
         {"name": "r", "kind": "reference", "worker_processes": True, "lockstep": True},
         {"name": "r", "kind": "reference", "data_parallel_size": 2, "worker_endpoints": ["ipc:///a", "ipc:///b"]},
+        deepinfer,  # the front-end supervisor hosts its engine in a rank worker (tests/gateway/test_scale_out.py)
+        {**deepinfer, "data_parallel_size": 2, "worker_endpoints": ["tcp://a:5600", "tcp://b:5600"]},
     ):
         GatewayConfig(server={"workers": 2}, backends=[backend], models=models)
-    deepinfer = {"name": "r", "kind": "deepinfer", "model": "/models/x", "max_model_len": 4096}
-    with pytest.raises(ValidationError, match=r"server.workers > 1 is not supported with a deepinfer backend"):
-        GatewayConfig(server={"workers": 2}, backends=[deepinfer], models=models)
-    GatewayConfig(server={"workers": 1}, backends=[deepinfer], models=models)
