@@ -44,8 +44,7 @@ def _timeouts(state: GatewayState) -> Timeouts:
 
 
 def _fingerprint(backend: Backend) -> str:
-    """``system_fingerprint``: which kind of backend answered (no backend reports a build fingerprint of its own)."""
-    return f"fp_{backend.kind}"
+    return getattr(backend, "fingerprint", None) or f"fp_{backend.kind}"
 
 
 def _served_by(
