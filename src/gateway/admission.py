@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from backends.interface import Backend, Event, GenerateRequest
@@ -25,16 +24,53 @@ class AdmittedBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.backend, name)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        await self.gate.acquire()
-        started = time.monotonic()
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        return _AdmittedEvents(self.backend, self.gate, request)
+
+
+class _AdmittedEvents:
+    """A backend's events holding a slot of the gate: the first step waits for the slot and opens the backend's
+    stream; every later step is the backend's own (no wrapper per event). The slot is freed by ``aclose``, after
+    the backend's stream was closed (its work aborted): the consumer closes the stream when it ends, whichever
+    way (``RoutedStream`` and ``interleave`` do)."""
+
+    __slots__ = ("_backend", "_closed", "_events", "_gate", "_request", "_started")
+
+    def __init__(self, backend: Backend, gate: AdmissionGate, request: GenerateRequest) -> None:
+        self._backend = backend
+        self._gate = gate
+        self._request = request
+        self._events: AsyncIterator[Event] | None = None
+        self._started: float | None = None  # when the slot was taken
+        self._closed = False
+
+    def __aiter__(self) -> _AdmittedEvents:
+        return self
+
+    def __anext__(self) -> Awaitable[Event]:
+        events = self._events
+        return self._first() if events is None else events.__anext__()
+
+    async def _first(self) -> Event:
+        if self._closed:
+            raise StopAsyncIteration
+        await self._gate.acquire()
+        self._started = time.monotonic()
+        events = self._events = self._backend.generate(self._request)
+        return await events.__anext__()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        started = self._started
+        if started is None:
+            return  # never held a slot
         try:
-            # Closed here, not by the garbage collector: the backend's work is aborted before the slot is free.
-            async with aclosing(self.backend.generate(request)) as events:
-                async for event in events:
-                    yield event
+            if self._events is not None:
+                await self._events.aclose()  # type: ignore[attr-defined]
         finally:
-            self.gate.release(time.monotonic() - started)
+            self._gate.release(time.monotonic() - started)
 
 
 def admitted(backend: Backend, config: object) -> Backend:

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from sse_starlette.sse import AppStatus
 
 from backends.interface import Backend
 from backends.registry import BackendKindUnavailableError, build_backend
@@ -99,8 +98,6 @@ def create_app(
             await state.responses.aclose()  # type: ignore[union-attr]
             metrics.close()
 
-    # Streams end when they are done or when uvicorn's drain timeout cancels them, never at the first SIGTERM.
-    AppStatus.disable_automatic_graceful_drain()
     app = FastAPI(title="deepinfer-gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = state
     app.state.json_parser = json_parser  # read by the generation routes' OffloadedJSONRoute

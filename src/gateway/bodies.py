@@ -14,11 +14,13 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import re
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+import orjson
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,6 +29,23 @@ logger = logging.getLogger(__name__)
 
 OFFLOAD_BYTES = 512 * 1024
 """Bodies at least this large are parsed in a child process (about 5 ms of parsing in place)."""
+
+
+_LONG_DIGITS = re.compile(rb"\d{19}")
+"""19 digits in a row may be an integer past 64 bits, which orjson would read as a float."""
+
+
+def parse_json(body: bytes) -> Any:
+    """``json.loads(body)``, the reference for what a body means and which bodies are ``json_invalid``; tried
+    first with orjson, about 3x faster. orjson refuses what ``json`` reads beyond the standard (other encodings
+    than UTF-8, NaN, lone surrogates), and reads the rest to the same values except integers past 64 bits: a body
+    that may hold one, or that orjson refuses, goes to ``json.loads``."""
+    if _LONG_DIGITS.search(body) is None:
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(body)
 
 
 class JSONBodyParser:
@@ -41,15 +60,15 @@ class JSONBodyParser:
 
     async def loads(self, body: bytes) -> Any:
         if self.processes < 1 or len(body) < self.offload_bytes:
-            return json.loads(body)
+            return parse_json(body)
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
         try:
-            parsed = await asyncio.get_running_loop().run_in_executor(self._pool, json.loads, body)
+            parsed = await asyncio.get_running_loop().run_in_executor(self._pool, parse_json, body)
         except BrokenProcessPool:  # a child died (killed, out of memory): parse here, start a new pool next time
             logger.warning("the JSON parser process died; parsing this body on the event loop")
             self._pool = None
-            return json.loads(body)
+            return parse_json(body)
         self.offloaded += 1
         return parsed
 

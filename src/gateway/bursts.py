@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine, Generator
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -51,6 +51,11 @@ class _Resume(Generic[T]):
                 pending = coro.send(value)
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
+
+
+def resume(coro: Coroutine[Any, Any, T], pending: Any) -> Awaitable[T]:
+    """Awaits ``coro``, which already ran by hand up to a suspension point where it yielded ``pending``."""
+    return _Resume(coro, pending)
 
 
 class BurstReader(Generic[T]):

@@ -69,6 +69,12 @@ class ServerConfig(BaseModel):
     stall_timeout: float | None = Field(
         30.0, gt=0, description="seconds a stream may wait for its client to accept data before it is stopped"
     )
+    ping_seconds: float | None = Field(
+        15.0,
+        gt=0,
+        description="seconds of silence after which a stream gets a `: ping` comment, so proxies keep it open; "
+        "null: never",
+    )
     gc_tuning: bool = Field(True, description="gc.freeze() after start-up and a larger young-generation threshold")
     header_timeout: float | None = Field(
         10.0,

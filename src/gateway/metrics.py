@@ -6,7 +6,7 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -134,6 +134,7 @@ class GatewayMetrics:
         self.errors = Counter(
             "gateway_request_errors", "Requests that ended in an error, by error code.", (*labels, "code"), registry=r
         )
+        self._series: dict[tuple[str, str], _Series] = {}
 
     def watch_gc(self) -> None:
         """Counts collections and their pauses per generation, so GC tuning is measured, not assumed."""
@@ -169,6 +170,14 @@ class GatewayMetrics:
     def observer(self, model: str, backend: str, log: dict[str, object]) -> RequestObserver:
         return RequestObserver(self, model, backend, log)
 
+    def series(self, model: str, backend: str) -> _Series:
+        """The request metrics' children for one (model, backend), looked up once (models and backends come from
+        the config, so the cache is as small as the label space)."""
+        found = self._series.get((model, backend))
+        if found is None:
+            found = self._series[(model, backend)] = _Series(self, model, backend)
+        return found
+
     def count_unrouted(self, status: int, code: str | None) -> None:
         """A request that ended before any backend took it: labelled with empty model and backend (the client's
         model name is not a label, so junk names cannot blow up the series count)."""
@@ -177,17 +186,66 @@ class GatewayMetrics:
             self.errors.labels("", "", code or str(status)).inc()
 
 
+class _Series:
+    """One (model, backend)'s children of the request metrics; by status, error code and stall reason on demand."""
+
+    __slots__ = (
+        "_metrics",
+        "by_code",
+        "by_reason",
+        "by_status",
+        "e2e",
+        "generation_tokens",
+        "in_flight",
+        "labels",
+        "prompt_tokens",
+        "tpot",
+        "ttft",
+    )
+
+    def __init__(self, metrics: GatewayMetrics, model: str, backend: str) -> None:
+        self._metrics = metrics
+        self.labels = labels = (model, backend)
+        self.in_flight = metrics.in_flight.labels(*labels)
+        self.e2e = metrics.e2e.labels(*labels)
+        self.ttft = metrics.ttft.labels(*labels)
+        self.tpot = metrics.tpot.labels(*labels)
+        self.prompt_tokens = metrics.prompt_tokens.labels(*labels)
+        self.generation_tokens = metrics.generation_tokens.labels(*labels)
+        self.by_status: dict[int, Any] = {}
+        self.by_code: dict[str, Any] = {}
+        self.by_reason: dict[str, Any] = {}
+
+    def requests(self, status: int) -> Any:
+        child = self.by_status.get(status)
+        if child is None:
+            child = self.by_status[status] = self._metrics.requests.labels(*self.labels, str(status))
+        return child
+
+    def errors(self, code: str) -> Any:
+        child = self.by_code.get(code)
+        if child is None:
+            child = self.by_code[code] = self._metrics.errors.labels(*self.labels, code)
+        return child
+
+    def stalls(self, reason: str) -> Any:
+        child = self.by_reason.get(reason)
+        if child is None:
+            child = self.by_reason[reason] = self._metrics.stalls.labels(*self.labels, reason)
+        return child
+
+
 class RequestObserver:
     """Times one request and records it once, whatever way it ends."""
 
-    __slots__ = ("_done", "_labels", "_metrics", "backend", "first_token_at", "log", "model", "on_finish", "started")
+    __slots__ = ("_done", "_metrics", "_series", "backend", "first_token_at", "log", "model", "on_finish", "started")
 
     def __init__(self, metrics: GatewayMetrics, model: str, backend: str, log: dict[str, object]) -> None:
         self._metrics = metrics
         self.model = model
         self.backend = backend
         self.log = log
-        self._labels = (model, backend)
+        self._series = metrics.series(model, backend)
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self._done = False
@@ -195,22 +253,22 @@ class RequestObserver:
         """Called once with the request's total tokens (per-key token limits charge here)."""
         log["model"] = model
         log["backend"] = backend
-        metrics.in_flight.labels(*self._labels).inc()
+        self._series.in_flight.inc()
 
     def rebind(self, backend: str) -> None:
         """A fallback target took the request over before its first token: label it by the one serving it."""
         if self._done or backend == self.backend:
             return
-        self._metrics.in_flight.labels(*self._labels).dec()
+        self._series.in_flight.dec()
         self.backend = backend
-        self._labels = (self.model, backend)
+        self._series = self._metrics.series(self.model, backend)
         self.log["backend"] = backend
-        self._metrics.in_flight.labels(*self._labels).inc()
+        self._series.in_flight.inc()
 
     def stalled(self, reason: str) -> None:
         """The client did not keep up and its request was stopped (``buffer_full`` or ``send_timeout``)."""
         if not self._done:
-            self._metrics.stalls.labels(*self._labels, reason).inc()
+            self._series.stalls(reason).inc()
 
     def first_token(self) -> None:
         if self.first_token_at is None:
@@ -220,31 +278,31 @@ class RequestObserver:
         if self._done:
             return
         self._done = True
-        m, labels = self._metrics, self._labels
+        series = self._series
         now = time.perf_counter()
-        m.in_flight.labels(*labels).dec()
-        m.requests.labels(*labels, str(status)).inc()
+        series.in_flight.dec()
+        series.requests(status).inc()
         e2e = now - self.started
-        m.e2e.labels(*labels).observe(e2e)
+        series.e2e.observe(e2e)
         if self.on_finish is not None:
             self.on_finish(prompt_tokens + completion_tokens)
         self.log["status"] = status
         self.log["e2e_ms"] = round(e2e * 1000, 3)
         if code is not None or status >= 400:
-            m.errors.labels(*labels, code or str(status)).inc()
+            series.errors(code or str(status)).inc()
             self.log["error_code"] = code
         if prompt_tokens:
-            m.prompt_tokens.labels(*labels).inc(prompt_tokens)
+            series.prompt_tokens.inc(prompt_tokens)
             self.log["prompt_tokens"] = prompt_tokens
         if completion_tokens:
-            m.generation_tokens.labels(*labels).inc(completion_tokens)
+            series.generation_tokens.inc(completion_tokens)
             self.log["completion_tokens"] = completion_tokens
         if self.first_token_at is not None:
             ttft = self.first_token_at - self.started
-            m.ttft.labels(*labels).observe(ttft)
+            series.ttft.observe(ttft)
             self.log["ttft_ms"] = round(ttft * 1000, 3)
             if completion_tokens > 1:
-                m.tpot.labels(*labels).observe((now - self.first_token_at) / (completion_tokens - 1))
+                series.tpot.observe((now - self.first_token_at) / (completion_tokens - 1))
 
 
 class _BackendCollector(Collector):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +64,7 @@ class RequestContextMiddleware:
                 request_id = _valid_request_id(value)
             elif name == b"content-length":
                 content_length = int(value) if value.isdigit() else None
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or os.urandom(16).hex()
         log: dict[str, Any] = {}
         state = scope.setdefault("state", {})
         state["request_id"] = request_id

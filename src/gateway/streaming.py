@@ -11,15 +11,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 import orjson
-from sse_starlette import EventSourceResponse
-from sse_starlette.sse import SendTimeoutError
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from backends.errors import BackendError, BackendTimeoutError, SlowClientError
 from backends.interface import Delta, Event, Finish, PromptEcho, Usage
@@ -28,8 +25,8 @@ from gateway.bursts import BurstReader
 from gateway.errors import APIError, api_error_from_backend, error_payload
 from gateway.metrics import RequestObserver
 from gateway.openai.responses import sse_frame
+from gateway.sse import ClientDisconnectedError, DisconnectWatch, EventStreamResponse
 
-T = TypeVar("T")
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 SLOW_CLIENT_STATUS = 408  # logged for a stream stopped because its client did not read
@@ -38,10 +35,6 @@ MAX_BURST = 64
 INTERNAL_ERROR_FRAME = sse_frame(
     error_payload("The server had an error processing your request.", "server_error", None, "internal_error")
 )
-
-
-class ClientDisconnectedError(Exception):
-    pass
 
 
 class Timeouts(NamedTuple):
@@ -109,29 +102,6 @@ class OpenAIFormat(Protocol):
     def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]: ...
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
-    """Awaits ``awaitable`` unless the client disconnects first, in which case it is cancelled."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():  # the client left, or we are cancelled: stop the work and let it close its iterator
-            work.cancel()
-            await asyncio.wait((work,))
-    if work.cancelled():
-        raise ClientDisconnectedError
-    return work.result()
-
-
 async def _first_token_events(events: AsyncIterator[Event], deadline: _Deadline | None) -> list[Event]:
     """Pulls events up to and including the first that carries output, so the first frame is real."""
     head: list[Event] = []
@@ -156,41 +126,19 @@ class _Outcome:
         self.usage: Usage | None = None
 
 
-class _EventStream(EventSourceResponse):
-    """sse-starlette's response that records the request once it is over, whichever way it ended.
-
-    A send that blocks past the stall timeout (``send_timeout``) means a client that does not read: its stream is
-    closed (its frames generator was closed, aborting the backend's work) and counted as a stall instead of
-    surfacing as a crash of the application.
-    """
-
-    def __init__(self, content: AsyncIterator[bytes], outcome: _Outcome, observer: RequestObserver, **kwargs: Any):
-        super().__init__(content, **kwargs)
-        self._outcome = outcome
-        self._observer = observer
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stalled = False
-        try:
-            await super().__call__(scope, receive, send)
-        except SendTimeoutError:
-            stalled = True
-        finally:
-            self._record(stalled)
-
-    def _record(self, stalled: bool) -> None:
-        outcome, observer = self._outcome, self._observer
-        usage = outcome.usage
-        tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
-        if stalled:
-            observer.stalled("send_timeout")
-            observer.finish(SLOW_CLIENT_STATUS, *tokens, "stream_stalled")
-        elif outcome.status is None:  # the client went away (or the server is stopping and cancelled the stream)
-            observer.finish(CLIENT_CLOSED_REQUEST, *tokens, "client_disconnected")
-        else:
-            if outcome.code == SlowClientError.code:
-                observer.stalled("buffer_full")
-            observer.finish(outcome.status, *tokens, outcome.code)
+def _record(observer: RequestObserver, outcome: _Outcome, stalled: bool) -> None:
+    """Counts a stream once it is over, whichever way it ended."""
+    usage = outcome.usage
+    tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+    if stalled:
+        observer.stalled("send_timeout")
+        observer.finish(SLOW_CLIENT_STATUS, *tokens, "stream_stalled")
+    elif outcome.status is None:  # the client went away (or the server is stopping and cancelled the stream)
+        observer.finish(CLIENT_CLOSED_REQUEST, *tokens, "client_disconnected")
+    else:
+        if outcome.code == SlowClientError.code:
+            observer.stalled("buffer_full")
+        observer.finish(outcome.status, *tokens, outcome.code)
 
 
 async def stream_response(
@@ -202,15 +150,21 @@ async def stream_response(
     include_usage: bool,
     headers: dict[str, str],
     timeouts: Timeouts | None = None,
+    ping_seconds: float | None = 15.0,
 ) -> Response:
     """SSE response. Errors before the first token are plain HTTP errors; any later failure is an error frame
-    followed by ``[DONE]``. A client that leaves stops the stream at its next event, whatever the load (the
-    stream checks the response's ``active`` flag, which sse-starlette clears on ``http.disconnect``)."""
+    followed by ``[DONE]``. A client that leaves cancels the request's task wherever it waits (``DisconnectWatch``),
+    and the event iterator is closed, which aborts the backend's work."""
     deadline = _Deadline(timeouts) if timeouts else None
+    watch = DisconnectWatch(request.receive)
     try:
-        head = await unless_disconnected(request, _first_token_events(events, deadline))
+        head = await _first_token_events(events, deadline)
     except BaseException as exc:
+        watch.close()
         await events.aclose()
+        if watch.caused(exc):
+            _observe_failure(observer, ClientDisconnectedError())
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it: the request just ends here
         _observe_failure(observer, exc)
         raise
     outcome = _Outcome()
@@ -237,15 +191,13 @@ async def stream_response(
             if burst:
                 yield b"".join(burst)
                 burst.clear()
-            while response.active:
+            while True:
                 try:
                     event = reader.ready()
                     if event is None:  # the backend has nothing more for now: send what it had, then wait
                         if burst:
                             yield b"".join(burst)
                             burst.clear()
-                            if not response.active:
-                                break
                         event = await _within(deadline, reader.wait)
                 except StopAsyncIteration:
                     outcome.status = 200
@@ -273,10 +225,14 @@ async def stream_response(
             if burst:
                 yield b"".join(burst)
 
-    response = _EventStream(
-        frames(), outcome, observer, headers=headers, ping=15, send_timeout=timeouts.stall if timeouts else None
+    return EventStreamResponse(
+        frames(),
+        watch,
+        lambda stalled: _record(observer, outcome, stalled),
+        headers=headers,
+        ping_seconds=ping_seconds,
+        stall_timeout=timeouts.stall if timeouts else None,
     )
-    return response
 
 
 async def whole_response(
@@ -308,13 +264,20 @@ async def whole_response(
                     observer.first_token()
                 fmt.add(event)
 
+    watch = DisconnectWatch(request.receive)
     try:
-        usage = await unless_disconnected(request, collect())
+        usage = await collect()
     except BaseException as exc:
+        watch.close()
+        disconnected = watch.caused(exc)
+        await events.aclose()
+        if disconnected:
+            _observe_failure(observer, ClientDisconnectedError())
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         _observe_failure(observer, exc)
         raise
-    finally:
-        await events.aclose()
+    watch.close()
+    await events.aclose()
     observer.finish(200, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
     body = orjson.dumps(fmt.response(usage, want_logprobs))
     return Response(body, media_type="application/json", headers=headers)

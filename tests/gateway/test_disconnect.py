@@ -5,11 +5,13 @@ with a timing model so that work nobody aborted would show."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
 
 import httpx
 import orjson
+import pytest
 import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -163,3 +165,25 @@ def test_a_hundred_clients_waiting_for_whole_responses_that_leave_stop_their_eng
             sock.close()
     assert wait_until(timed_gateway.engine_idle, timeout=60)
     assert timed_gateway.engine_tokens() - before <= clients * STEPS_AFTER_CLOSE
+
+
+def test_a_client_gone_before_its_response_began_is_a_499_not_an_application_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    slow_prefill = GatewayConfig(
+        backends=[{"name": "reference", "kind": "reference", "timing": {"prefill_seconds_per_token": 0.2}}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    running = start_gateway(slow_prefill)
+    try:
+        with caplog.at_level(logging.ERROR):
+            for body in ({**LONG, "stream": True}, LONG):
+                sock = _raw_request(running.base_url, body)
+                assert wait_until(lambda: running.driver_in_flight() == 1)
+                sock.close()
+                assert wait_until(running.engine_idle, timeout=20)
+            assert wait_until(lambda: requests_with_status(running, "499") == 2)
+    finally:
+        stop_gateway(running)
+    errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert errors == [], errors

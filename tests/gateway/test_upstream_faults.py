@@ -73,3 +73,28 @@ def test_upstream_killed_mid_stream_ends_the_stream_with_an_error_frame_and_the_
     assert wait_until(lambda: httpx.get(f"{fronted.base_url}/ready").status_code == 200, timeout=60)
     again = httpx.post(f"{fronted.base_url}/v1/chat/completions", json=_chat("hello there"), timeout=30)
     assert again.status_code == 200
+
+
+def test_a_stream_that_goes_quiet_gets_pings_and_then_its_remaining_frames(node: HarnessNode) -> None:
+    """The upstream pauses after its first token for 60 ping intervals: comment frames keep the connection busy
+    for proxies, and the stream then carries on. The pause ends the wait, not a clock in the test."""
+    config = GatewayConfig(
+        backends=[{"name": "lm", "kind": "lmdeploy", "urls": [node.url], "api_key": API_KEY, "max_model_len": 512}],
+        models=[{"name": MODEL, "backends": ["lm"]}],
+    )
+    config.server.ping_seconds = 0.05
+    running = start_gateway(config)
+    try:
+        body = _chat("one two three [[stub pause=3 pause_after=1 tag=quiet]]", stream=True)
+        lines: list[str] = []
+        with httpx.stream("POST", f"{running.base_url}/v1/chat/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line]
+    finally:
+        stop_gateway(running)
+    data = [i for i, line in enumerate(lines) if line.startswith("data: {")]
+    pings = [i for i, line in enumerate(lines) if line == ": ping"]
+    assert len(data) >= 3 and lines[-1] == "data: [DONE]"
+    assert pings and data[0] < pings[0] < data[1], "no ping while the upstream was quiet"
+    text = "".join(orjson.loads(lines[i][6:])["choices"][0]["delta"].get("content") or "" for i in data)
+    assert text.startswith("one two three")

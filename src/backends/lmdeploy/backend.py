@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -55,6 +54,20 @@ class _Progress:
 
     def __init__(self) -> None:
         self.sent = False
+
+
+class _CountingConnector(aiohttp.TCPConnector):
+    """Counts the connections it opens (``gateway_lmdeploy_connections_created``). A ``TraceConfig`` would do it
+    through the public API, but then aiohttp builds trace parameters and sends signals for every request."""
+
+    def __init__(self, created: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._created = created
+
+    async def _create_connection(self, *args: Any, **kwargs: Any) -> Any:
+        connection = await super()._create_connection(*args, **kwargs)
+        self._created()
+        return connection
 
 
 class _Watchdog:
@@ -125,15 +138,14 @@ class LMDeployBackend:
     async def start(self) -> None:
         self._starting = True
         try:
-            trace = aiohttp.TraceConfig()
-            trace.on_connection_create_end.append(self._on_connection_created)
-            connector = aiohttp.TCPConnector(
+            connector = _CountingConnector(
+                self._connection_created,
                 limit=self.config.max_connections,
                 limit_per_host=0,
                 keepalive_timeout=self.config.keepalive_timeout,
             )
             self._session = aiohttp.ClientSession(
-                connector=connector, trace_configs=[trace], auto_decompress=False, skip_auto_headers=("User-Agent",)
+                connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
             )
             # Probes get their own connections (closed after each probe): they never take a pooled connection
             # from requests, and the connection counter stays a measure of requests alone.
@@ -145,7 +157,7 @@ class LMDeployBackend:
         finally:
             self._starting = False
 
-    async def _on_connection_created(self, session: Any, context: SimpleNamespace, params: Any) -> None:
+    def _connection_created(self) -> None:
         self.connections_created += 1
 
     async def stop(self) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
@@ -83,7 +83,14 @@ async def _respond(
     timeouts = _timeouts(state)
     if stream:
         return await stream_response(
-            request, events, fmt, observer, include_usage=include_usage, headers=headers, timeouts=timeouts
+            request,
+            events,
+            fmt,
+            observer,
+            include_usage=include_usage,
+            headers=headers,
+            timeouts=timeouts,
+            ping_seconds=state.config.server.ping_seconds,
         )
     return await whole_response(
         request, events, fmt, observer, want_logprobs=want_logprobs, headers=headers, timeouts=timeouts
@@ -127,7 +134,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         state,
         events,
         lambda fingerprint: ChatFormat(
-            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, fingerprint, body.n
+            f"chatcmpl-{os.urandom(16).hex()}", int(time.time()), body.model, fingerprint, body.n
         ),
         model=body.model,
         admission=admission,
@@ -175,7 +182,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         state,
         events,
         lambda fingerprint: CompletionFormat(
-            f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, fingerprint, choices
+            f"cmpl-{os.urandom(16).hex()}", int(time.time()), body.model, fingerprint, choices
         ),
         model=body.model,
         admission=admission,

@@ -101,6 +101,7 @@ class RoutedStream:
             event = await inner.__anext__()
         except StopAsyncIteration:
             self._end(None)
+            await inner.aclose()  # type: ignore[attr-defined]  # frees what the target held (an admission slot)
             raise
         except BaseException as exc:
             self._end(exc)
@@ -148,6 +149,7 @@ class RoutedStream:
                 self._inner = inner
                 target.breaker.answered()
                 self._end(None)
+                await inner.aclose()  # type: ignore[attr-defined,union-attr]
                 raise
             except BackendError as exc:
                 self._failed_before_first_event(target, exc)

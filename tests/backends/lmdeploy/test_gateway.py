@@ -246,3 +246,19 @@ def test_ready_and_metrics_show_the_node(lm_gateway: RunningGateway, node: Harne
     assert f'gateway_lmdeploy_node_healthy{{backend="lm",node="{node.url}"}} 1.0' in metrics
     assert f'gateway_lmdeploy_node_requests_total{{backend="lm",node="{node.url}"}}' in metrics
     assert "gateway_lmdeploy_node_first_byte_seconds_count" in metrics
+
+
+def test_requests_one_after_another_reuse_one_pooled_upstream_connection(http: httpx.Client) -> None:
+    def created() -> float:
+        for line in http.get("/metrics").text.splitlines():
+            if line.startswith('gateway_lmdeploy_connections_created_total{backend="lm"}'):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("gateway_lmdeploy_connections_created_total is not exported")
+
+    body = {"model": PUBLIC_MODEL, "messages": messages("one two"), "max_tokens": 4}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200  # a pooled connection exists now
+    before = created()
+    assert before >= 1
+    for _ in range(3):
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert created() == before

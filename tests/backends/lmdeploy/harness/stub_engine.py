@@ -5,6 +5,7 @@ token by token, then ends with EOS. Directives written in the prompt select the 
 ``[[stub delay=0.05 chunk=3 fail=INTERNAL_ENGINE_ERROR after=2 cached=5 tag=abc]]``:
 
 - ``delay``: seconds to sleep before each engine step;  ``first_delay``: before the first step only;
+  ``pause``: seconds to sleep once, after ``pause_after`` tokens (a stream that goes quiet mid-way);
 - ``chunk``: tokens per engine step (speculative decoding emits several);
 - ``fail`` (a ``ResponseType`` name) and ``after``: end with that status after that many tokens; with
   ``fail_on=NAME`` only on the node of that name (``STUB_NODE_NAME``);
@@ -136,6 +137,7 @@ class StubInstance:
         echo = tokenizer.encode(text, add_special_tokens=False) or [engine.eos_id]
         delay = float(options.get("delay", "0"))
         first_delay = float(options.get("first_delay", "0"))
+        pause, pause_after = float(options.get("pause", "0")), int(options.get("pause_after", "1"))
         chunk = max(1, int(options.get("chunk", "1")))
         fail = options.get("fail")
         if options.get("fail_on", engine.node) != engine.node:
@@ -162,6 +164,9 @@ class StubInstance:
             if first_delay:
                 await asyncio.sleep(first_delay)
             while True:
+                if pause and emitted >= pause_after:
+                    await asyncio.sleep(pause)
+                    pause = 0
                 if delay:
                     await asyncio.sleep(delay)
                 else:
