@@ -11,6 +11,7 @@ than the parse. The generation routes use ``OffloadedJSONRoute``; FastAPI reads 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import multiprocessing
@@ -22,6 +23,7 @@ from typing import Any
 
 import orjson
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -89,12 +91,56 @@ class _OffloadedJSONRequest(Request):
 
 
 class OffloadedJSONRoute(APIRoute):
-    """An ``APIRoute`` whose JSON body is parsed by the app's ``JSONBodyParser``."""
+    """An ``APIRoute`` whose JSON body is parsed by the app's ``JSONBodyParser``.
+
+    A well-formed request to an endpoint of the shape ``(body: SomeModel, request: Request)`` skips FastAPI's
+    request machinery (dependency solving, query and cookie parsing, the content type parsed as a MIME header):
+    a JSON content type, a body that parses and a model that validates go straight to the endpoint, validated
+    exactly as FastAPI validates a lone body model. Anything else (another content type, an empty or broken body,
+    a validation error) is handed to FastAPI's own handler, so every error is the one FastAPI gives.
+    """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        fast = _lone_body_model(self)
+        endpoint = self.endpoint
 
         async def parse_large_bodies_elsewhere(request: Request) -> Response:
-            return await handler(_OffloadedJSONRequest(request.scope, request.receive))
+            request = _OffloadedJSONRequest(request.scope, request.receive)
+            if fast is not None and _is_json(request.headers.get("content-type")):
+                body_name, model, request_name = fast
+                if await request.body():
+                    try:
+                        body = model.model_validate(await request.json())
+                    except (ValueError, RecursionError):  # broken JSON or a ValidationError: FastAPI's error
+                        return await handler(request)
+                    return await endpoint(**{body_name: body, request_name: request})  # type: ignore[no-any-return]
+            return await handler(request)
 
         return parse_large_bodies_elsewhere
+
+
+def _lone_body_model(route: APIRoute) -> tuple[str, type[BaseModel], str] | None:
+    """(body parameter, its model, request parameter) when the endpoint takes exactly those two, else None."""
+    dependant = route.dependant
+    if (
+        len(dependant.body_params) != 1
+        or dependant.query_params
+        or dependant.header_params
+        or dependant.path_params
+        or dependant.cookie_params
+        or dependant.dependencies
+        or dependant.request_param_name is None
+        or not inspect.iscoroutinefunction(route.endpoint)
+        or len(inspect.signature(route.endpoint).parameters) != 2
+    ):
+        return None
+    field = dependant.body_params[0]
+    model = field.field_info.annotation
+    if not (isinstance(model, type) and issubclass(model, BaseModel)) or field.field_info.embed:  # type: ignore[attr-defined]
+        return None
+    return field.name, model, dependant.request_param_name
+
+
+def _is_json(content_type: str | None) -> bool:
+    return content_type is not None and content_type.partition(";")[0].strip().lower() == "application/json"
