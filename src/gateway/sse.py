@@ -8,8 +8,8 @@ last write when it fires; a send is given the stall timeout only when it could n
 server blocks a send only while the client's socket buffer is full).
 
 sse-starlette (``EventSourceResponse``) did the same with four tasks per stream, an anyio task group and a lock
-plus a cancel scope per write; measured at about 0.9 ms of CPU per stream against 0.1 ms here (issue 15), most of
-a short stream's cost.
+plus a cancel scope per write. Measured against a whole (non-streamed) response on the same upstream, it added
+about 0.8 ms of CPU per stream and this writer 0.1-0.3 ms (issue 15): a third of a 64-chunk stream's cost.
 """
 
 from __future__ import annotations
