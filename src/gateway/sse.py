@@ -27,10 +27,6 @@ PING_FRAME = b": ping\n\n"
 """A comment line: clients ignore it, proxies see traffic on an idle stream."""
 
 
-class ClientDisconnectedError(Exception):
-    """The client closed the connection before its response was complete."""
-
-
 class SendStalledError(Exception):
     """One write to the client could not complete within the stall timeout: the client stopped reading."""
 

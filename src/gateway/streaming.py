@@ -25,7 +25,7 @@ from gateway.bursts import BurstReader
 from gateway.errors import APIError, api_error_from_backend, error_payload
 from gateway.metrics import RequestObserver
 from gateway.openai.responses import sse_frame
-from gateway.sse import ClientDisconnectedError, DisconnectWatch, EventStreamResponse
+from gateway.sse import DisconnectWatch, EventStreamResponse
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
@@ -160,12 +160,8 @@ async def stream_response(
     try:
         head = await _first_token_events(events, deadline)
     except BaseException as exc:
-        watch.close()
-        await events.aclose()
-        if watch.caused(exc):
-            _observe_failure(observer, ClientDisconnectedError())
+        if await _ended_early(watch, events, observer, exc):
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it: the request just ends here
-        _observe_failure(observer, exc)
         raise
     outcome = _Outcome()
 
@@ -268,13 +264,8 @@ async def whole_response(
     try:
         usage = await collect()
     except BaseException as exc:
-        watch.close()
-        disconnected = watch.caused(exc)
-        await events.aclose()
-        if disconnected:
-            _observe_failure(observer, ClientDisconnectedError())
+        if await _ended_early(watch, events, observer, exc):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        _observe_failure(observer, exc)
         raise
     watch.close()
     await events.aclose()
@@ -283,8 +274,20 @@ async def whole_response(
     return Response(body, media_type="application/json", headers=headers)
 
 
+async def _ended_early(
+    watch: DisconnectWatch, events: AsyncIterator[Event], observer: RequestObserver, exc: BaseException
+) -> bool:
+    """Ends a request whose wait for the backend raised ``exc``: the backend's work is aborted and the request
+    counted. True when ``exc`` was the client leaving (its cancellation is withdrawn), else the caller re-raises."""
+    watch.close()
+    gone = watch.caused(exc)
+    await events.aclose()
+    _observe_failure(observer, exc)
+    return gone
+
+
 def _observe_failure(observer: RequestObserver, exc: BaseException) -> None:
-    if isinstance(exc, ClientDisconnectedError | asyncio.CancelledError):
+    if isinstance(exc, asyncio.CancelledError):  # the client left, or the server is stopping
         observer.finish(CLIENT_CLOSED_REQUEST, code="client_disconnected")
     elif isinstance(exc, BackendError):
         if isinstance(exc, SlowClientError):
