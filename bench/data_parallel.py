@@ -33,21 +33,9 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from _gateway import cpu_seconds, serve_gateway
+from _gateway import children, cpu_seconds, serve_gateway
 
 MODEL = "bench-dp"
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def scrape(base_url: str) -> dict[str, float]:
