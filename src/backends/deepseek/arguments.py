@@ -237,15 +237,15 @@ def resolve(schema: Any, root: Any, depth: int = 0) -> Any:
     return schema
 
 
-def pointer(root: Any, ref: str) -> Any:
-    """The node a local JSON pointer (``#``, ``#/a/b``) designates in ``root``, or None."""
+def pointer(root: Any, ref: str, missing: Any = None) -> Any:
+    """The node a local JSON pointer (``#``, ``#/a/b``) designates in ``root``, or ``missing``."""
     if not ref.startswith("#"):
-        return None
+        return missing
     path = ref[1:]
     if not path:
         return root
     if not path.startswith("/"):
-        return None
+        return missing
     node = root
     for raw in path[1:].split("/"):
         part = raw.replace("~1", "/").replace("~0", "~")
@@ -254,5 +254,5 @@ def pointer(root: Any, ref: str) -> Any:
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            return None
+            return missing
     return node

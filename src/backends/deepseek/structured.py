@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from backends.deepseek.arguments import schema_types
+from backends.deepseek.arguments import pointer, schema_types
 from backends.deepseek.encoding import (
     DSML_CALLS_END,
     DSML_CALLS_START,
@@ -181,24 +181,17 @@ def _check_pattern(pattern: Any, path: str) -> None:
         raise ValueError(f"{path} does not compile: {exc}") from None
 
 
+_NOWHERE = object()
+
+
 def _check_ref(ref: Any, path: str, root: Any) -> None:
     """Only local references can be compiled (no schema is ever fetched): they must point into the schema."""
     if not isinstance(ref, str) or not ref.startswith("#"):
         raise ValueError(f"{path} must be a local reference such as '#/$defs/Name'")
-    node = root
-    pointer = ref[1:]
-    if not pointer:
-        return
-    if not pointer.startswith("/"):
+    if ref != "#" and not ref.startswith("#/"):
         raise ValueError(f"{path} {ref!r} is not a JSON pointer")
-    for raw in pointer[1:].split("/"):
-        part = raw.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, Mapping) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            raise ValueError(f"{path} {ref!r} points at nothing in the schema")
+    if pointer(root, ref, missing=_NOWHERE) is _NOWHERE:
+        raise ValueError(f"{path} {ref!r} points at nothing in the schema")
 
 
 # ---- forced tool calls -----------------------------------------------------------------------------------
