@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from hypothesis import settings
+from prometheus_client.parser import text_string_to_metric_families
 
 from backends.interface import Backend
 from gateway.app import create_app
@@ -59,6 +60,15 @@ class RunningGateway:
     def engine_idle(self, backend: str = "reference") -> bool:
         """The engine holds no request and the driver no stream: every request ended or was aborted."""
         return self.engine_unfinished(backend) == 0 and self.driver_in_flight(backend) == 0
+
+    def metric(self, sample: str, **labels: str) -> float:
+        """The sum of ``/metrics`` samples named ``sample`` whose labels include ``labels``."""
+        return sum(
+            found.value
+            for family in text_string_to_metric_families(httpx.get(f"{self.base_url}/metrics").text)
+            for found in family.samples
+            if found.name == sample and all(found.labels.get(k) == v for k, v in labels.items())
+        )
 
 
 def start_gateway(

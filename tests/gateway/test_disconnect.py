@@ -13,7 +13,6 @@ import httpx
 import orjson
 import pytest
 import structlog.testing
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig
 
@@ -41,13 +40,7 @@ def _raw_request(base_url: str, body: dict[str, object]) -> socket.socket:
 
 
 def requests_with_status(gateway: RunningGateway, status: str) -> float:
-    text = httpx.get(f"{gateway.base_url}/metrics").text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "gateway_requests_total" and sample.labels.get("status") == status
-    )
+    return gateway.metric("gateway_requests_total", status=status)
 
 
 def test_disconnect_mid_stream_aborts_the_engine_request(timed_gateway: RunningGateway) -> None:

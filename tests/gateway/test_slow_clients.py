@@ -8,10 +8,8 @@ import re
 import socket
 from collections.abc import Iterator
 
-import httpx
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig
 
@@ -55,13 +53,7 @@ def _non_reading_client(base_url: str) -> socket.socket:
 
 
 def _stalls(gateway: RunningGateway, reason: str) -> float:
-    text = httpx.get(f"{gateway.base_url}/metrics").text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "gateway_stream_stalls_total" and sample.labels.get("reason") == reason
-    )
+    return gateway.metric("gateway_stream_stalls_total", reason=reason)
 
 
 def _read_until(sock: socket.socket, marker: bytes) -> bytes:
