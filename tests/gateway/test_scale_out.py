@@ -6,6 +6,7 @@ socket in a temporary folder, killed and started again where the test needs it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -168,6 +170,24 @@ def test_store_down_keeps_requests_flowing_on_local_budgets_and_recovers_by_itse
         stop_gateway(gateway)
 
 
+@contextlib.contextmanager
+def _serve(tmp_path: Path, config: dict[str, Any]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``deepinfer-gateway serve`` as an operator starts it, with ``config`` on a free port: the supervisor process
+    and its base URL. Killed at the end if still up (its front ends follow it); its output goes to a log file."""
+    port = _free_port()
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump({**config, "server": {**config["server"], "port": port}}))
+    command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
+    with (tmp_path / "supervisor.log").open("wb") as log:
+        supervisor = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield supervisor, f"http://127.0.0.1:{port}"
+        finally:
+            if supervisor.poll() is None:
+                supervisor.kill()
+                supervisor.wait()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -207,10 +227,8 @@ def _rank_children(supervisor: int) -> set[int]:
 def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    port = _free_port()
     config = {
         "server": {
-            "port": port,
             "workers": 2,
             "api_keys": [{"key": KEY, "name": "team", "requests_per_minute": 6}],
             "state_store": valkey.url,
@@ -218,13 +236,7 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
         "backends": [{"name": "reference", "kind": "reference"}],
         "models": [{"name": MODEL, "backends": ["reference"]}],
     }
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
-    log = (tmp_path / "supervisor.log").open("wb")
-    supervisor = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
+    with _serve(tmp_path, config) as (supervisor, base):
         assert wait_until(lambda: len(_gateway_children(supervisor.pid)) == 2, timeout=60)
         assert wait_until(lambda: _ready(base), timeout=180)
         workers = _gateway_children(supervisor.pid)
@@ -254,24 +266,15 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
             ), "the supervisor starts a new front end"
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=180) == 0  # a safety net: a process just restarted may still be starting
-    finally:
-        if supervisor.poll() is None:
-            supervisor.kill()  # its front ends follow it (see the next test)
-            supervisor.wait()
 
 
 def test_front_end_processes_exit_when_their_supervisor_is_killed(tmp_path: Path) -> None:
-    port = _free_port()
     config = {
-        "server": {"port": port, "workers": 2},
+        "server": {"workers": 2},
         "backends": [{"name": "reference", "kind": "reference"}],
         "models": [{"name": MODEL, "backends": ["reference"]}],
     }
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
-    supervisor = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with _serve(tmp_path, config) as (supervisor, _):
         assert wait_until(lambda: len(_gateway_children(supervisor.pid)) == 2, timeout=60)
         front_ends = _gateway_children(supervisor.pid)
         supervisor.kill()  # SIGKILL: it cannot pass SIGTERM on
@@ -279,18 +282,13 @@ def test_front_end_processes_exit_when_their_supervisor_is_killed(tmp_path: Path
         assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in front_ends), timeout=60), (
             "no orphan keeps serving the port"
         )
-    finally:
-        if supervisor.poll() is None:
-            supervisor.kill()
-            supervisor.wait()
 
 
 def test_front_ends_share_the_rank_workers_the_supervisor_hosts_and_one_killed_leaves_them_serving(
     tmp_path: Path,
 ) -> None:
-    port = _free_port()
     config = {
-        "server": {"port": port, "workers": 2},
+        "server": {"workers": 2},
         "backends": [
             {
                 "name": "reference",
@@ -301,15 +299,9 @@ def test_front_ends_share_the_rank_workers_the_supervisor_hosts_and_one_killed_l
         ],
         "models": [{"name": MODEL, "backends": ["reference"]}],
     }
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
-    log = (tmp_path / "supervisor.log").open("wb")
-    supervisor = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     seeded = {**CHAT, "max_tokens": 8, "seed": 11}
 
-    def answers(count: int) -> list[str]:
+    def answers(base: str, count: int) -> list[str]:
         out = []
         for _ in range(count):  # new connections, so the kernel spreads them over both processes
             response = httpx.post(f"{base}/v1/chat/completions", json=seeded, timeout=60)
@@ -317,24 +309,24 @@ def test_front_ends_share_the_rank_workers_the_supervisor_hosts_and_one_killed_l
             out.append(response.json()["choices"][0]["message"]["content"])
         return out
 
-    try:
+    with _serve(tmp_path, config) as (supervisor, base):
         assert wait_until(lambda: len(_gateway_children(supervisor.pid)) == 2, timeout=60)
         assert wait_until(lambda: _ready(base), timeout=180)
         ranks = _rank_children(supervisor.pid)
         assert len(ranks) == 2, "one set of ranks for both front ends, started by the supervisor"
-        first = answers(8)
+        first = answers(base, 8)
         assert len(set(first)) == 1, "every front end, every rank: the same seeded answer"
 
         victim = sorted(_gateway_children(supervisor.pid))[0]
         os.kill(victim, signal.SIGKILL)
         assert wait_until(lambda: victim not in _gateway_children(supervisor.pid), timeout=30)
-        assert answers(4) == first[:4], "the other front end keeps serving from the same ranks"
+        assert answers(base, 4) == first[:4], "the other front end keeps serving from the same ranks"
         assert wait_until(
             lambda: len(_gateway_children(supervisor.pid)) == 2 and victim not in _gateway_children(supervisor.pid),
             timeout=60,
         ), "the supervisor starts a new front end"
         assert wait_until(lambda: _ready(base), timeout=60)
-        assert answers(6) == first[:6]
+        assert answers(base, 6) == first[:6]
         assert _rank_children(supervisor.pid) == ranks, "the ranks were neither restarted nor duplicated"
 
         lost = sorted(ranks)[0]
@@ -345,10 +337,6 @@ def test_front_ends_share_the_rank_workers_the_supervisor_hosts_and_one_killed_l
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=180) == 0
         assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks), timeout=30)
-    finally:
-        if supervisor.poll() is None:
-            supervisor.kill()
-            supervisor.wait()
 
 
 def _all_answer(base: str, body: dict[str, object], expected: str, count: int) -> bool:
