@@ -201,6 +201,12 @@ def litellm_python(version: str | None) -> Path:
     return python
 
 
+def installed_version(python: Path, package: str) -> str:
+    """``package``'s version in the virtualenv of ``python`` (empty if it cannot be read)."""
+    script = f"import importlib.metadata as m; print(m.version({package!r}))"
+    return subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=False).stdout.strip()
+
+
 def start_litellm(upstream: Target, workdir: Path, version: str | None) -> Target:
     target = Target("litellm", "", upstream.model, api_key=f"sk-bench-{secrets.token_hex(16)}")
     try:
@@ -233,12 +239,7 @@ def start_litellm(upstream: Target, workdir: Path, version: str | None) -> Targe
     command = [str(litellm), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
     target.process = start(command, log, {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}, PROXY_CORE)
     target.url, target.log = f"http://127.0.0.1:{port}", log
-    target.extra["version"] = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
+    target.extra["version"] = installed_version(python, "litellm")
     target.skipped = wait_ready(target.url, "/health/liveliness", target.process, 180)
     return target
 
@@ -272,12 +273,7 @@ def start_lmdeploy_proxy(upstream: Target, workdir: Path) -> Target:
     ]
     target.process = start(command, log, cores=PROXY_CORE)
     target.url, target.log = f"http://127.0.0.1:{port}", log
-    target.extra["version"] = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('lmdeploy'))"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
+    target.extra["version"] = installed_version(python, "lmdeploy")
     target.skipped = wait_ready(target.url, "/nodes/status", target.process, 180)
     if target.skipped is None:
         target.skipped = register_node(target.url, upstream)
