@@ -105,8 +105,9 @@ class EventStreamResponse(Response):
         ping_seconds: float | None,
         stall_timeout: float | None,
     ) -> None:
-        super().__init__(None, headers={**headers, "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
-        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self.status_code = 200
+        self.background = None
+        self.init_headers({**headers, "Cache-Control": "no-store", "X-Accel-Buffering": "no"})  # no body: no length
         self._content = content
         self._watch = watch
         self._on_end = on_end
