@@ -16,7 +16,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -25,13 +24,7 @@ import yaml
 
 from ...conftest import wait_until
 from .conftest import DOUBLE_DIR, TORCH_DOUBLE_DIR
-
-MAX_MODEL_LEN = 1024
-ENGINE_ENV = {
-    "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": "1",
-    "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": "1",  # the documented data-parallel setting (docs/deepinfer.md)
-    "DEEPINFER_USE_NEXTN_DECODE": "0",
-}
+from .test_data_parallel import backend_config
 
 
 def double_environment() -> dict[str, str]:
@@ -101,24 +94,15 @@ def answer(base: str, model: str) -> str:
     return content
 
 
-def backend(model_dir: Path, name: str, size: int, devices: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "kind": "deepinfer",
-        "model": str(model_dir),
-        "max_model_len": MAX_MODEL_LEN,
-        "data_parallel_size": size,
-        "visible_devices": devices,
-        "env": ENGINE_ENV,
-    }
-
-
 @pytest.fixture
 def supervisor(model_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     port = free_port()
     config = {
         "server": {"port": port, "workers": 2},
-        "backends": [backend(model_dir, "di2", 2, "0,1"), backend(model_dir, "di1", 1, "2")],
+        "backends": [
+            backend_config(model_dir, "di2", 2, visible_devices="0,1"),
+            backend_config(model_dir, "di1", 1, visible_devices="2"),
+        ],
         "models": [{"name": "di2", "backends": ["di2"]}, {"name": "di1", "backends": ["di1"]}],
     }
     path = tmp_path / "gateway.yaml"
