@@ -45,12 +45,12 @@ class Timeouts(NamedTuple):
 class _Deadline:
     """A request's deadline: its total deadline, or ``idle`` after the last event, whichever comes first."""
 
-    __slots__ = ("_end", "_idle", "_loop", "_timeouts", "last")
+    __slots__ = ("_end", "_idle", "_timeouts", "last", "loop")
 
     def __init__(self, timeouts: Timeouts) -> None:
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._timeouts = timeouts
-        now = self._loop.time()
+        now = self.loop.time()
         self._end = now + timeouts.total if timeouts.total else None
         self._idle = timeouts.idle
         self.last = now
@@ -62,9 +62,47 @@ class _Deadline:
         return self._end if idle_end is None else min(self._end, idle_end)
 
     def expired(self) -> BackendTimeoutError:
-        if self._end is not None and self._loop.time() >= self._end:
+        if self._end is not None and self.loop.time() >= self._end:
             return BackendTimeoutError(f"The request took longer than its {self._timeouts.total:g} s deadline.")
         return BackendTimeoutError(f"No output from the backend for {self._timeouts.idle:g} s.")
+
+
+class _Expiry:
+    """The request's deadline over many waits at once (a whole response): one timer, re-armed lazily. An event
+    only moves ``deadline.last``; when the timer fires it checks whether the deadline really passed, and re-arms at
+    the later one if not. Expiry goes through an ``asyncio.Timeout`` (cancel the task, then ``TimeoutError``),
+    so its bookkeeping of cancellations is asyncio's own, and is raised as the deadline's ``BackendTimeoutError``.
+    """
+
+    __slots__ = ("_deadline", "_handle", "_scope")
+
+    def __init__(self, deadline: _Deadline) -> None:
+        self._deadline = deadline
+        self._scope = asyncio.timeout(None)
+        self._handle: asyncio.TimerHandle | None = None
+
+    async def __aenter__(self) -> None:
+        await self._scope.__aenter__()
+        at = self._deadline.next()
+        if at is not None:
+            self._handle = self._deadline.loop.call_at(at, self._check)
+
+    def _check(self) -> None:
+        at = self._deadline.next()
+        now = self._deadline.loop.time()
+        if at is not None and at > now:
+            self._handle = self._deadline.loop.call_at(at, self._check)
+        else:
+            self._handle = None
+            self._scope.reschedule(now)  # expires the scope now: it cancels the task
+
+    async def __aexit__(self, kind: Any, exc: Any, traceback: Any) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        try:
+            await self._scope.__aexit__(kind, exc, traceback)
+        except TimeoutError:
+            raise self._deadline.expired() from None
 
 
 async def _next_event(events: AsyncIterator[Event], deadline: _Deadline | None) -> Event:
@@ -87,7 +125,7 @@ async def _within(deadline: _Deadline | None, wait: Callable[[], Awaitable[Event
                 event = await wait()
         except TimeoutError:
             raise deadline.expired() from None
-    deadline.last = deadline._loop.time()
+    deadline.last = deadline.loop.time()
     return event
 
 
@@ -244,24 +282,26 @@ async def whole_response(
 
     async def collect() -> Usage | None:
         usage = None
-        reader = BurstReader(events)  # events that are ready skip the deadline's timer
-        while True:
-            try:
-                event = reader.ready()
-                if event is None:
-                    event = await _within(deadline, reader.wait)
-            except StopAsyncIteration:
-                return usage
+        async for event in events:
+            if deadline is not None:
+                deadline.last = deadline.loop.time()  # the idle part of the deadline restarts at each event
             if isinstance(event, Usage):
                 usage = event
             else:
                 if isinstance(event, Delta):
                     observer.first_token()
                 fmt.add(event)
+        return usage
+
+    async def collect_within() -> Usage | None:
+        if deadline is None:
+            return await collect()
+        async with _Expiry(deadline):
+            return await collect()
 
     watch = DisconnectWatch(request.receive)
     try:
-        usage = await collect()
+        usage = await collect_within()
     except BaseException as exc:
         if await _ended_early(watch, events, observer, exc):
             return Response(status_code=CLIENT_CLOSED_REQUEST)

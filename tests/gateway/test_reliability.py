@@ -108,6 +108,20 @@ def test_no_first_token_within_the_idle_timeout_gets_504() -> None:
         stop_gateway(running)
 
 
+def test_a_whole_response_may_outlast_the_idle_timeout_while_its_tokens_keep_coming() -> None:
+    """The idle timeout bounds the gap between two tokens, not how long a non-streamed response takes: 15 steps
+    of 0.1 s make 1.5 s, past an idle timeout of 1 s, and the answer is whole."""
+    config = _one_backend(timing={"decode_seconds_per_step": 0.1})
+    config.server.idle_timeout = 1.0
+    running = start_gateway(config)
+    try:
+        response = httpx.post(f"{running.base_url}/v1/chat/completions", json={**LONG, "max_tokens": 15}, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 15
+    finally:
+        stop_gateway(running)
+
+
 class CrashingEngine(ReferenceEngine):
     """Test double: the reference engine, whose ``step()`` raises once the test arms it."""
 

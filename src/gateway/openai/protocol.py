@@ -10,6 +10,7 @@ import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backends.interface import SamplingOptions
@@ -71,6 +72,11 @@ def unencodable_text(value: object) -> str | None:
     """The path of the first string (or the object holding the first key) that is not valid Unicode text, such as
     a lone UTF-16 surrogate from a ``\\ud800`` escape; None when all text can be encoded. Iterative, so that a
     deeply nested body cannot exhaust the stack; runs before any tokenizer sees the text."""
+    try:
+        orjson.dumps(value)  # fails on a lone surrogate (among other things): only then is the body walked
+        return None
+    except orjson.JSONEncodeError:
+        pass
     pending: list[tuple[object, str]] = [(value, "")]
     while pending:
         node, path = pending.pop()
