@@ -64,6 +64,10 @@ class SSEReader:
             self._feed(chunk)
         return payloads.popleft()
 
+    def ready(self) -> bytes | None:
+        """The next payload if it already arrived (in the same network read as the last), else None: no read."""
+        return self._payloads.popleft() if self._payloads else None
+
     async def drain(self) -> None:
         """Reads to the end of the body (after ``[DONE]``), so the connection can go back to the pool."""
         while await self._source.readany():
@@ -313,3 +317,22 @@ class ChoiceStream:
             self.finish_reason = reason
             events.append(Finish(self.index, reason))
         return events
+
+
+def coalesce(events: list[Delta | Finish], more: list[Delta | Finish]) -> list[Delta | Finish]:
+    """``events`` followed by ``more``, where a text delta that ends ``events`` and one that starts ``more`` become
+    one: chunks that arrived together go on as one event (a tool-call delta, or text with logprobs next to text
+    without, stays apart)."""
+    if events and more:
+        last, first = events[-1], more[0]
+        if (
+            type(last) is Delta
+            and type(first) is Delta
+            and last.tool_calls is None
+            and first.tool_calls is None
+            and (last.logprobs is None) == (first.logprobs is None)
+        ):
+            logprobs = None if last.logprobs is None else [*last.logprobs, *first.logprobs]  # type: ignore[misc]
+            merged = Delta(last.index, last.text + first.text, logprobs, last.reasoning + first.reasoning)
+            return [*events[:-1], merged, *more[1:]]
+    return events + more

@@ -48,7 +48,8 @@ async def test_chat_streams_text_deltas_then_finish_then_exact_usage(node: Harne
         events = await collect(backend, chat("Hello world! The quick brown fox"))
     assert text_of(events) == "Hello world! The quick brown fox"
     deltas = [e for e in events if isinstance(e, Delta)]
-    assert len(deltas) > 1 and all(d.text for d in deltas), "one delta per engine step, no empty ones"
+    # one delta per network read of the node's stream (test_bursts.py), never an empty one
+    assert deltas and all(d.text for d in deltas)
     assert isinstance(events[-2], Finish) and events[-2].reason == "stop"
     usage = events[-1]
     assert isinstance(usage, Usage)

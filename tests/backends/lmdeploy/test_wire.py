@@ -11,9 +11,9 @@ from backends.errors import (
     UpstreamError,
     UpstreamProtocolError,
 )
-from backends.interface import GenerateRequest, SamplingOptions
+from backends.interface import Delta, Finish, GenerateRequest, SamplingOptions, TokenLogprob, ToolCallDelta
 from backends.lmdeploy.errors import UpstreamFailure, failure_from_status
-from backends.lmdeploy.stream import ChoiceStream, SSEReader, token_text
+from backends.lmdeploy.stream import ChoiceStream, SSEReader, coalesce, token_text
 from backends.lmdeploy.translate import plan_request
 from gateway.routing.stream import counts_against_target, may_fall_back
 
@@ -148,3 +148,15 @@ def test_json_chunks_of_the_wrong_shape_are_protocol_failures_that_count_against
     assert isinstance(failure.error, UpstreamProtocolError)
     # and for the gateway's routing: a target failure (breaker) that another target may serve (fallback)
     assert counts_against_target(failure.error) and may_fall_back(failure.error)
+
+
+def test_text_deltas_read_together_become_one_but_tool_calls_finish_and_a_logprobs_mix_stay_apart() -> None:
+    first = TokenLogprob("a", [97], -0.1, [])
+    second = TokenLogprob("b", [98], -0.2, [])
+    merged = coalesce([Delta(0, "a", [first], "r1")], [Delta(0, "b", [second], "r2"), Finish(0, "stop")])
+    assert merged == [Delta(0, "ab", [first, second], "r1r2"), Finish(0, "stop")]
+    call = Delta(0, "", None, "", [ToolCallDelta(0, "id", "f", "{")])
+    assert coalesce([Delta(0, "x")], [call]) == [Delta(0, "x"), call], "a tool-call delta is never merged"
+    assert coalesce([Delta(0, "x", [first])], [Delta(0, "y")]) == [Delta(0, "x", [first]), Delta(0, "y")]
+    assert coalesce([Finish(0, "stop")], [Delta(0, "y")]) == [Finish(0, "stop"), Delta(0, "y")]
+    assert coalesce([], [Delta(0, "y")]) == [Delta(0, "y")]
