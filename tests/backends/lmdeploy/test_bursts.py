@@ -2,25 +2,32 @@
 step of the whole-response collector, with all of their text.
 
 A node's chunks pile up in one read whenever the gateway reads slower than the node writes (a busy event loop),
-but LMDeploy's real api_server cannot be made to do that on cue. The node here is therefore a test double: the
-benchmark's fake upstream (``gateway.bench.fake_upstream``, LMDeploy's chunk format), which with no pace writes a
-whole stream in one write, and a write on loopback is one read.
+but LMDeploy's real api_server cannot be made to do that on cue. The nodes here are therefore test doubles that
+write a whole stream in one write (a write on loopback is one read): the benchmark's fake upstream
+(``gateway.bench.fake_upstream``, LMDeploy's chunk format) behind a real gateway, and ``OneWriteNode`` for a
+stream the fake cannot send (an engine error frame after two tokens).
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
+from backends.errors import UpstreamError
+from backends.interface import Delta, Event, GenerateRequest
 from gateway.config import GatewayConfig
 
 from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
+from .conftest import running_backend
 
 TOKENS = 16
 
@@ -89,3 +96,72 @@ def test_a_whole_response_from_chunks_read_together_holds_all_their_text(fronted
     )
     assert completion.choices[0].message.content == " tok" * TOKENS
     assert completion.choices[0].finish_reason == "length"
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    """One SSE event as one HTTP chunk, as LMDeploy's api_server writes them."""
+    data = b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _text_chunk(text: str) -> dict[str, Any]:
+    choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [choice]}
+
+
+class OneWriteNode:
+    """Test double of an LMDeploy node in the test's own event loop: ``/health`` answers as LMDeploy's does, and
+    every other request gets ``body`` (an SSE stream, chunked) in one write."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                if head.startswith(b"GET /health"):
+                    body = b'{"status": "healthy"}'
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(body), body)
+                    )
+                else:
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                        + self.body
+                    )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_a_bad_chunk_read_together_with_good_ones_still_comes_after_their_text() -> None:
+    """An engine error frame in the same read as two tokens: the tokens go out first, then the error (after the
+    first token there is no failover, so the client gets its text and an error frame, as when they come apart)."""
+    error = {"error": {"message": "engine failed", "type": "internal_error", "code": 500}}
+    body = _sse(_text_chunk("Hello")) + _sse(_text_chunk(" world")) + _sse(error) + b"0\r\n\r\n"
+    request = GenerateRequest(request_id="bad-chunk", model="m", messages=[{"role": "user", "content": "hi"}])
+    events: list[Event] = []
+    async with OneWriteNode(body) as url, running_backend([url], model="m") as backend:
+        with pytest.raises(UpstreamError):
+            async for event in backend.generate(request):
+                events.append(event)
+    assert [e.text for e in events if isinstance(e, Delta)] == ["Hello world"]
