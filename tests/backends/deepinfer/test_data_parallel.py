@@ -24,12 +24,8 @@ import httpx
 import orjson
 import pytest
 
-from backends.registry import build_backend
-from gateway.admission import admitted
-from gateway.config import GatewayConfig
-
-from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
-from ..workers.conftest import driver_of, holding_rank, open_stream, steps
+from ...conftest import RunningGateway, stop_gateway, wait_until
+from ..workers.conftest import driver_of, holding_rank, one_model_per_backend, open_stream, start_with_ranks, steps
 from .conftest import DOUBLE_DIR, TORCH_DOUBLE_DIR, deepinfer_on_path
 
 MAX_MODEL_LEN = 1024
@@ -42,7 +38,6 @@ ENGINE_ENV = {
 a lone rank's request for 100 steps); one token per request per step, so a long request lasts many steps."""
 STEP_SECONDS = "0.003"
 """Each double step sleeps this long, so a request of a few hundred tokens is still running when a test acts."""
-RESTART_BACKOFF = 1.0
 
 
 @contextlib.contextmanager
@@ -70,13 +65,7 @@ def backend_config(model_dir: Path, name: str, size: int, **extra: Any) -> dict[
 
 
 def start(backends: list[dict[str, Any]]) -> RunningGateway:
-    config = GatewayConfig(backends=backends, models=[{"name": b["name"], "backends": [b["name"]]} for b in backends])
-    built = {}
-    for backend_config_ in config.backends:
-        backend = build_backend(backend_config_)
-        backend.driver.plan.restart_backoff = RESTART_BACKOFF  # type: ignore[attr-defined]
-        built[backend_config_.name] = admitted(backend, backend_config_)
-    return start_gateway(config, backends=built, ready_timeout=90)
+    return start_with_ranks(one_model_per_backend(backends), ready_timeout=90)
 
 
 @pytest.fixture(scope="module")

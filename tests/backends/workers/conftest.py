@@ -63,15 +63,25 @@ class HoldableClock:
                 self._loop.call_soon_threadsafe(callback)
 
 
-def start_data_parallel_gateway(backends: list[dict[str, object]]) -> RunningGateway:
-    config = GatewayConfig(backends=backends, models=[{"name": b["name"], "backends": [b["name"]]} for b in backends])
+def start_with_ranks(config: GatewayConfig, *, ready_timeout: float, holdable_clock: bool = False) -> RunningGateway:
+    """The gateway of ``config``, whose data-parallel backends are built here so that their supervisors restart a
+    failed group after ``RESTART_BACKOFF`` (and keep time with a ``HoldableClock`` when asked)."""
     built = {}
     for backend_config in config.backends:
         backend = build_backend(backend_config)
         backend.driver.plan.restart_backoff = RESTART_BACKOFF  # type: ignore[attr-defined]
-        backend.driver.clock = HoldableClock()  # type: ignore[attr-defined]
+        if holdable_clock:
+            backend.driver.clock = HoldableClock()  # type: ignore[attr-defined]
         built[backend_config.name] = admitted(backend, backend_config)
-    return start_gateway(config, backends=built, ready_timeout=60)
+    return start_gateway(config, backends=built, ready_timeout=ready_timeout)
+
+
+def one_model_per_backend(backends: list[dict[str, object]]) -> GatewayConfig:
+    return GatewayConfig(backends=backends, models=[{"name": b["name"], "backends": [b["name"]]} for b in backends])
+
+
+def start_data_parallel_gateway(backends: list[dict[str, object]]) -> RunningGateway:
+    return start_with_ranks(one_model_per_backend(backends), ready_timeout=60, holdable_clock=True)
 
 
 @pytest.fixture(scope="module")

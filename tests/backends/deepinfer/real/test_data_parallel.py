@@ -19,18 +19,22 @@ import openai
 import orjson
 import pytest
 
-from backends.registry import build_backend
-from gateway.admission import admitted
-from gateway.config import GatewayConfig
-
-from ....conftest import RunningGateway, start_gateway, stop_gateway, wait_until
-from ...workers.conftest import chat, driver_of, holding_rank, open_stream, steps, worker_pids
+from ....conftest import RunningGateway, stop_gateway, wait_until
+from ...workers.conftest import (
+    chat,
+    driver_of,
+    holding_rank,
+    one_model_per_backend,
+    open_stream,
+    start_with_ranks,
+    steps,
+    worker_pids,
+)
 from .conftest import ENGINE_ENV
 
 MODEL = "di2"
 MAX_MODEL_LEN = 1024
 FORWARD_SECONDS = "0.003"
-RESTART_BACKOFF = 1.0
 DP_ENV = {**ENGINE_ENV, "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": "1"}
 """The documented DP setting (deploy/config/deepinfer.yaml): a rank prefills at once even when its peers are idle."""
 
@@ -47,13 +51,7 @@ def start(model_dir: Path) -> RunningGateway:
         "visible_devices": "0,1",
         "env": DP_ENV,
     }
-    config = GatewayConfig(backends=[backend], models=[{"name": MODEL, "backends": [MODEL]}])
-    built = {}
-    for backend_config in config.backends:
-        backend_ = build_backend(backend_config)
-        backend_.driver.plan.restart_backoff = RESTART_BACKOFF  # type: ignore[attr-defined]
-        built[backend_config.name] = admitted(backend_, backend_config)
-    return start_gateway(config, backends=built, ready_timeout=120)
+    return start_with_ranks(one_model_per_backend([backend]), ready_timeout=120)
 
 
 class Group:
