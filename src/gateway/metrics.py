@@ -190,10 +190,8 @@ class _Series:
     """One (model, backend)'s children of the request metrics; by status, error code and stall reason on demand."""
 
     __slots__ = (
+        "_by_label",
         "_metrics",
-        "by_code",
-        "by_reason",
-        "by_status",
         "e2e",
         "generation_tokens",
         "in_flight",
@@ -212,26 +210,22 @@ class _Series:
         self.tpot = metrics.tpot.labels(*labels)
         self.prompt_tokens = metrics.prompt_tokens.labels(*labels)
         self.generation_tokens = metrics.generation_tokens.labels(*labels)
-        self.by_status: dict[int, Any] = {}
-        self.by_code: dict[str, Any] = {}
-        self.by_reason: dict[str, Any] = {}
+        self._by_label: dict[tuple[Counter, str], Any] = {}
 
     def requests(self, status: int) -> Any:
-        child = self.by_status.get(status)
-        if child is None:
-            child = self.by_status[status] = self._metrics.requests.labels(*self.labels, str(status))
-        return child
+        return self._child(self._metrics.requests, str(status))
 
     def errors(self, code: str) -> Any:
-        child = self.by_code.get(code)
-        if child is None:
-            child = self.by_code[code] = self._metrics.errors.labels(*self.labels, code)
-        return child
+        return self._child(self._metrics.errors, code)
 
     def stalls(self, reason: str) -> Any:
-        child = self.by_reason.get(reason)
+        return self._child(self._metrics.stalls, reason)
+
+    def _child(self, counter: Counter, label: str) -> Any:
+        """``counter``'s child for this series and one more label, looked up once."""
+        child = self._by_label.get((counter, label))
         if child is None:
-            child = self.by_reason[reason] = self._metrics.stalls.labels(*self.labels, reason)
+            child = self._by_label[(counter, label)] = counter.labels(*self.labels, label)
         return child
 
 
