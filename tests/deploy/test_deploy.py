@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 CONFIG_DIR = ROOT / "deploy" / "config"
 KUBERNETES_DIR = ROOT / "deploy" / "kubernetes"
-KUSTOMIZATION = KUBERNETES_DIR / "kustomization.yaml"
+BASE_DIR = KUBERNETES_DIR / "base"
+KUSTOMIZATION = BASE_DIR / "kustomization.yaml"
 
 KUBERNETES_VERSIONS = ("1.33.0", "1.37.0")
 """An older release still widely deployed (fields used must exist there) and the newest the package ships."""
 
 CONFIG_FILES = sorted(CONFIG_DIR.glob("*.yaml"))
-MANIFESTS = sorted(p for p in KUBERNETES_DIR.glob("*.yaml") if p != KUSTOMIZATION)
+MANIFESTS = sorted(p for p in BASE_DIR.glob("*.yaml") if p != KUSTOMIZATION)
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def load_resources(path: Path) -> list[dict[str, Any]]:
 
 def resource(kind: str) -> dict[str, Any]:
     found = [r for p in MANIFESTS for r in load_resources(p) if r["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind} under {KUBERNETES_DIR}, found {len(found)}"
+    assert len(found) == 1, f"expected one {kind} under {BASE_DIR}, found {len(found)}"
     return found[0]
 
 
@@ -353,7 +354,7 @@ def test_scale_out_manifests_validate_strictly_offline(version: str) -> None:
 
 def test_scale_out_overlay_builds_on_the_base_and_lists_every_file_it_ships() -> None:
     overlay = _overlay()
-    assert "../" in overlay["resources"], "the overlay extends deploy/kubernetes"
+    assert "../base" in overlay["resources"], "the overlay extends deploy/kubernetes/base"
     patches = [entry["path"] for entry in overlay["patches"]]
     shipped = sorted(p.name for p in SCALE_OUT_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
     assert sorted([p.name for p in _overlay_resources()] + patches) == shipped
