@@ -322,7 +322,8 @@ class ChoiceStream:
 def coalesce(events: list[Delta | Finish], more: list[Delta | Finish]) -> list[Delta | Finish]:
     """``events`` followed by ``more``, where a text delta that ends ``events`` and one that starts ``more`` become
     one: chunks that arrived together go on as one event (a tool-call delta, or text with logprobs next to text
-    without, stays apart)."""
+    without, stays apart). A delta reads as its reasoning, then its text, so content followed by reasoning (a model
+    that opens ``<think>`` again) stays apart too: merged, the reasoning would jump ahead of the content."""
     if events and more:
         last, first = events[-1], more[0]
         if (
@@ -331,6 +332,7 @@ def coalesce(events: list[Delta | Finish], more: list[Delta | Finish]) -> list[D
             and last.tool_calls is None
             and first.tool_calls is None
             and (last.logprobs is None) == (first.logprobs is None)
+            and not (last.text and first.reasoning)
         ):
             logprobs = None if last.logprobs is None else [*last.logprobs, *first.logprobs]  # type: ignore[misc]
             merged = Delta(last.index, last.text + first.text, logprobs, last.reasoning + first.reasoning)

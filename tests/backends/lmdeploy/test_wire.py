@@ -153,10 +153,13 @@ def test_json_chunks_of_the_wrong_shape_are_protocol_failures_that_count_against
 def test_text_deltas_read_together_become_one_but_tool_calls_finish_and_a_logprobs_mix_stay_apart() -> None:
     first = TokenLogprob("a", [97], -0.1, [])
     second = TokenLogprob("b", [98], -0.2, [])
-    merged = coalesce([Delta(0, "a", [first], "r1")], [Delta(0, "b", [second], "r2"), Finish(0, "stop")])
-    assert merged == [Delta(0, "ab", [first, second], "r1r2"), Finish(0, "stop")]
+    merged = coalesce([Delta(0, "a", [first], "r1")], [Delta(0, "b", [second]), Finish(0, "stop")])
+    assert merged == [Delta(0, "ab", [first, second], "r1"), Finish(0, "stop")]
     call = Delta(0, "", None, "", [ToolCallDelta(0, "id", "f", "{")])
     assert coalesce([Delta(0, "x")], [call]) == [Delta(0, "x"), call], "a tool-call delta is never merged"
     assert coalesce([Delta(0, "x", [first])], [Delta(0, "y")]) == [Delta(0, "x", [first]), Delta(0, "y")]
     assert coalesce([Finish(0, "stop")], [Delta(0, "y")]) == [Finish(0, "stop"), Delta(0, "y")]
     assert coalesce([], [Delta(0, "y")]) == [Delta(0, "y")]
+    assert coalesce([Delta(0, "", None, "r")], [Delta(0, "t")]) == [Delta(0, "t", None, "r")], "reasoning, then text"
+    content_then_reasoning = [Delta(0, "t"), Delta(0, "", None, "r")]
+    assert coalesce(content_then_reasoning[:1], content_then_reasoning[1:]) == content_then_reasoning, "order kept"
