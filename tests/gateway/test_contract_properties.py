@@ -194,6 +194,7 @@ def nested_garbage(draw: st.DrawFn, path: str) -> tuple[dict[str, Any], str]:
         }
         params = {"prompt": "prompt[1]", "stream_options": "stream_options.include_usage", "logit_bias": "logit_bias.1"}
         assume(where != "prompt" or not isinstance(garbage, str))  # ["..."] lists of strings are prompts
+        assume(where != "prompt" or not isinstance(garbage, list))  # [[1, 2], [0]] are two token-id prompts
         assume(where != "stream_options" or not isinstance(garbage, bool))
         assume(where != "logit_bias" or type(garbage) is not int or abs(garbage) > 100)
         return {**base, where: value[where]}, params[where]
