@@ -233,13 +233,17 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
 
 
 def test_front_end_processes_exit_when_their_supervisor_is_killed(tmp_path: Path) -> None:
+    probe_port = free_port()
     config = {
-        "server": {"workers": 2},
+        "server": {"workers": 2, "probe_port": probe_port},
         "backends": [{"name": "reference", "kind": "reference"}],
         "models": [{"name": MODEL, "backends": ["reference"]}],
     }
     with _serve(tmp_path, config) as (supervisor, _):
         assert wait_until(lambda: len(front_ends(supervisor.pid)) == 2, timeout=60)
+        assert wait_until(lambda: is_ready(f"http://127.0.0.1:{probe_port}"), timeout=180), (
+            "the front ends share the supervisor's probe listener too"
+        )
         serving = front_ends(supervisor.pid)
         supervisor.kill()  # SIGKILL: it cannot pass SIGTERM on
         supervisor.wait()
