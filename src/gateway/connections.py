@@ -158,6 +158,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes: int | None = 0  # bytes of the current request's head so far; None while not in a head
         self._closing: asyncio.TimerHandle | None = None  # set while lingering before the close
         self._rejected: tuple[bytes, str] | None = None  # a head refused without a request cycle: answer, reason
+        self._awaiting_body = False  # headers in, body not yet complete
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         guard = self.guard
@@ -196,6 +197,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._close(*self._rejected)
         elif self._header_bytes is not None and self._header_bytes > self.guard.limits.max_header_bytes:
             self._close(_TOO_LARGE_RESPONSE, HEADER_TOO_LARGE)
+        elif self._awaiting_body and self._body_timer is None:
+            # Armed only now, once the bytes that completed the headers are parsed: a request without a body, or
+            # whose body came with its headers, never sets a timer.
+            self._arm_body_timer()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -215,13 +220,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._rejected = (_NOT_A_PROBE_RESPONSE, NOT_A_PROBE_PATH)
             return
         super().on_headers_complete()
-        self._arm_body_timer()
+        self._awaiting_body = not (self.parser.should_upgrade() and self._should_upgrade())  # an upgrade has no body
 
     def on_body(self, body: bytes) -> None:
         if self._rejected is None:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._awaiting_body = False
         self._disarm_body_timer()
         if self._rejected is None:
             super().on_message_complete()
