@@ -158,8 +158,8 @@ def test_store_down_keeps_requests_flowing_on_local_budgets_and_recovers_by_itse
         assert _post(gateway).status_code == 200, "a store failure never fails a request"
         ready = httpx.get(f"{gateway.base_url}/ready")
         assert ready.status_code == 200
-        assert ready.json()["state_store"]["up"] is False
-        assert ready.json()["state_store"]["reason"]
+        # Client keys and no admin key: the store's URL and error are nobody's to read in /ready (the log has them).
+        assert ready.json()["state_store"] == {"up": False}
         assert _metric(gateway, "gateway_state_store_up") == 0.0
         assert _metric(gateway, "gateway_state_store_failures_total") >= 1
         valkey.start()
