@@ -141,6 +141,7 @@ async def _start_backends(state: GatewayState) -> None:
             logger.info("backend %s ready", name)
 
     await asyncio.gather(*(start(name, b) for name, b in state.backends.items()))
+    state.started = True
 
 
 class _UnavailableBackend:

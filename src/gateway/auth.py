@@ -16,6 +16,8 @@ from gateway.errors import error_payload
 
 OPEN_PATHS = ("/health", "/ready")
 ADMIN_PREFIXES = ("/metrics", "/admin")
+ADMIN_SCOPE = "admin"
+"""Key in an open path's request state: True when the caller may see operator detail (``is_admin``)."""
 
 
 def _digest(key: str) -> bytes:
@@ -33,12 +35,20 @@ class ApiKeyMiddleware:
         self._clients = [(_digest(k.key), key_label(k, i)) for i, k in enumerate(client_keys)]
         self._admin = _digest(admin_key) if admin_key else None
 
+    def is_admin(self, presented: str | None) -> bool:
+        """May this caller see what ``/admin`` shows: the admin key when one is set; anyone when no key at all is
+        set (the gateway is open); nobody when only client keys are set."""
+        if self._admin is None:
+            return not self._clients
+        return _matches(presented, self._admin)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        if path.startswith(OPEN_PATHS):
+        if path.startswith(OPEN_PATHS):  # open, but only an admin sees their operator detail (``ADMIN_SCOPE``)
+            scope.setdefault("state", {})[ADMIN_SCOPE] = self.is_admin(_presented_key(scope))
             await self.app(scope, receive, send)
             return
         presented = _presented_key(scope)

@@ -82,9 +82,22 @@ class ServerConfig(BaseModel):
         description="seconds a client has to send a request's headers, from connecting or from the first byte of "
         "the next request on a keep-alive connection; slower ones get 408 and are closed (slowloris); null: none",
     )
+    body_timeout: float | None = Field(
+        30.0,
+        gt=0,
+        description="seconds a client has to send a request's whole body once its headers are in; slower ones get "
+        "408 and are closed (slow bodies); null: none",
+    )
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="larger request line + headers get 431")
     max_connections: int | None = Field(
         2048, ge=1, description="open HTTP connections; past it a new connection gets 503 and is closed"
+    )
+    probe_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="a second listener (on server.host) that serves only /health, /ready and /metrics, with a cap "
+        "of its own, so clients filling max_connections never starve probes; null: probes share the API port",
     )
     keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection is kept")
     json_parse_processes: int = Field(
@@ -118,6 +131,14 @@ class ServerConfig(BaseModel):
     workers: int = Field(
         1, ge=1, le=256, description="front-end processes serving one port (uvicorn workers); see README, Scale out"
     )
+
+    @model_validator(mode="after")
+    def _probe_port_is_its_own(self) -> ServerConfig:
+        if self.probe_port is not None and self.probe_port != 0 and self.probe_port == self.port:
+            raise ValueError(
+                f"probe_port: {self.probe_port} is server.port; the probe listener needs a port of its own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _responses_store_exists(self) -> ServerConfig:

@@ -10,23 +10,46 @@ subclasses that protocol:
   Sending more bytes does not extend the deadline. (Idle time between requests is uvicorn's keep-alive timeout.)
 - ``max_header_bytes``: a request line plus headers larger than this gets a 431 and the connection is closed.
 - ``max_connections``: a connection past this many open ones gets a 503 and is closed at once.
+- ``body_timeout``: from the end of a request's headers, the client has this long to send its whole body. Past it,
+  a request the app has not answered yet gets a 408 (OpenAI-shaped, with its request id; the app sees the client
+  gone and its log line says 408 ``body_timeout``), and the connection is closed either way (a body still
+  trickling in after an early answer, a 401 say, would hold it too).
 
-Every closed connection is counted in ``gateway_connections_closed_total{reason}``; open ones in
-``gateway_connections_open``.
+A listener may serve only some paths (``paths``): the probe listener (``server.probe_port``) answers ``/health``,
+``/ready`` and ``/metrics`` with a cap of its own, so clients that fill the API listener's ``max_connections``
+never starve the kubelet's probes; any other path gets a 404 and a close.
+
+Every closed connection is counted in ``gateway_connections_closed_total{listener,reason}``; open ones in
+``gateway_connections_open{listener}``. Timers run on an injected ``Clock`` (the event loop by default).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
+import httptools
+import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.errors import error_payload
 
 HEADER_TIMEOUT = "header_timeout"
 HEADER_TOO_LARGE = "header_too_large"
 TOO_MANY_CONNECTIONS = "too_many_connections"
+BODY_TIMEOUT = "body_timeout"
+"""Also the key set in the request's ASGI state when its body timed out, and its error code."""
+NOT_A_PROBE_PATH = "not_a_probe_path"
+REASONS = (HEADER_TIMEOUT, HEADER_TOO_LARGE, TOO_MANY_CONNECTIONS, BODY_TIMEOUT, NOT_A_PROBE_PATH)
+
+API_LISTENER = "api"
+PROBE_LISTENER = "probe"
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
+PROBE_MAX_CONNECTIONS = 64
+"""The probe listener's own cap: kubelet probes open one short connection each, Prometheus keeps one alive."""
 
 LINGER_SECONDS = 1.0
 """After answering 408 or 431, how long the rest of the client's bytes are read and dropped before the close (a
@@ -40,36 +63,80 @@ def _response(status: bytes, message: bytes) -> bytes:
     )
 
 
+def _json_response(status: bytes, message: str, code: str, request_id: str | None) -> bytes:
+    body = orjson.dumps(error_payload(message, "invalid_request_error", None, code))
+    head = b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    if request_id is not None:
+        head += b"x-request-id: " + request_id.encode() + b"\r\n"
+    return head + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+
+
 _TIMEOUT_RESPONSE = _response(b"408 Request Timeout", b"The request headers were not received in time.")
 _TOO_LARGE_RESPONSE = _response(b"431 Request Header Fields Too Large", b"The request headers are too large.")
 _BUSY_RESPONSE = _response(b"503 Service Unavailable", b"Too many open connections.")
+_NOT_A_PROBE_RESPONSE = _json_response(
+    b"404 Not Found", "The probe port serves only /health, /ready and /metrics.", "not_found", None
+)
+
+
+class Timer(Protocol):
+    """A pending callback (``asyncio.TimerHandle``)."""
+
+    def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    """Monotonic time and timers; ``asyncio.AbstractEventLoop`` is one."""
+
+    def time(self) -> float: ...
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> Timer: ...
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
     header_timeout: float | None = 10.0
+    body_timeout: float | None = 30.0
     max_header_bytes: int = 64 * 1024
     max_connections: int | None = 2048
 
 
-class ConnectionGuard:
-    """The limits and counters shared by all connections of one server."""
+class ConnectionMetrics:
+    """The connection counters of one server, by listener."""
 
-    def __init__(self, limits: ConnectionLimits, registry: CollectorRegistry | None = None) -> None:
-        self.limits = limits
-        self.open = 0
-        self._closed = Counter(
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.closed = Counter(
             "gateway_connections_closed",
-            "Connections the gateway closed for breaking a connection limit, by reason.",
-            ("reason",),
+            "Connections the gateway closed for breaking a connection limit, by listener and reason.",
+            ("listener", "reason"),
             registry=registry,
         )
-        for reason in (HEADER_TIMEOUT, HEADER_TOO_LARGE, TOO_MANY_CONNECTIONS):
-            self._closed.labels(reason)
-        Gauge("gateway_connections_open", "Open HTTP connections.", registry=registry).set_function(lambda: self.open)
+        self.open = Gauge("gateway_connections_open", "Open HTTP connections.", ("listener",), registry=registry)
+
+
+class ConnectionGuard:
+    """The limits and open connections of one listener (``paths``: the only paths it serves; None: all)."""
+
+    def __init__(
+        self,
+        limits: ConnectionLimits,
+        metrics: ConnectionMetrics,
+        *,
+        listener: str = API_LISTENER,
+        paths: frozenset[str] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.limits = limits
+        self.listener = listener
+        self.paths = paths
+        self.clock = clock
+        """None: each connection's event loop."""
+        self.open = 0
+        self._closed = {reason: metrics.closed.labels(listener, reason) for reason in REASONS}
+        metrics.open.labels(listener).set_function(lambda: self.open)
 
     def closed(self, reason: str) -> None:
-        self._closed.labels(reason).inc()
+        self._closed[reason].inc()
 
     def protocol(self) -> type[asyncio.Protocol]:
         """The protocol class to give uvicorn (``Config(http=...)``), bound to this guard."""
@@ -83,12 +150,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._clock: Clock = self.guard.clock or self.loop
         self._refused = False
         self._counted = False
-        self._header_timer: asyncio.TimerHandle | None = None
+        self._header_timer: Timer | None = None
+        self._body_timer: Timer | None = None
         self._header_bytes: int | None = 0  # bytes of the current request's head so far; None while not in a head
         self._closing: asyncio.TimerHandle | None = None  # set while lingering before the close
-        self._head_too_large = False
+        self._rejected: tuple[bytes, str] | None = None  # a head refused without a request cycle: answer, reason
+        self._awaiting_body = False  # headers in, body not yet complete
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         guard = self.guard
@@ -107,6 +177,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._disarm_body_timer()
         if self._closing is not None:
             self._closing.cancel()
         if self._counted:
@@ -122,10 +193,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._header_bytes is not None:
             self._header_bytes += len(data)  # may include the start of the body; only checked while in the head
         super().data_received(data)
-        if self._head_too_large or (
-            self._header_bytes is not None and self._header_bytes > self.guard.limits.max_header_bytes
-        ):
+        if self._rejected is not None:
+            self._close(*self._rejected)
+        elif self._header_bytes is not None and self._header_bytes > self.guard.limits.max_header_bytes:
             self._close(_TOO_LARGE_RESPONSE, HEADER_TOO_LARGE)
+        elif self._awaiting_body and self._body_timer is None:
+            # Armed only now, once the bytes that completed the headers are parsed: a request without a body, or
+            # whose body came with its headers, never sets a timer.
+            self._arm_body_timer()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -136,17 +211,25 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm_header_timer()
         self._header_bytes = None
         head = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        paths = self.guard.paths
+        # A refused head starts no request cycle; data_received answers and closes once the parse returns.
         if head > self.guard.limits.max_header_bytes:
-            self._head_too_large = True  # no request cycle starts; data_received answers 431 after the parse
+            self._rejected = (_TOO_LARGE_RESPONSE, HEADER_TOO_LARGE)
+            return
+        if paths is not None and httptools.parse_url(self.url).path.decode("latin-1") not in paths:
+            self._rejected = (_NOT_A_PROBE_RESPONSE, NOT_A_PROBE_PATH)
             return
         super().on_headers_complete()
+        self._awaiting_body = not (self.parser.should_upgrade() and self._should_upgrade())  # an upgrade has no body
 
     def on_body(self, body: bytes) -> None:
-        if not self._head_too_large:
+        if self._rejected is None:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if not self._head_too_large:
+        self._awaiting_body = False
+        self._disarm_body_timer()
+        if self._rejected is None:
             super().on_message_complete()
 
     def on_response_complete(self) -> None:
@@ -156,7 +239,32 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _arm_header_timer(self) -> None:
         timeout = self.guard.limits.header_timeout
         if timeout is not None:
-            self._header_timer = self.loop.call_later(timeout, self._on_header_timeout)
+            self._header_timer = self._clock.call_at(self._clock.time() + timeout, self._on_header_timeout)
+
+    def _arm_body_timer(self) -> None:
+        timeout = self.guard.limits.body_timeout
+        if timeout is not None:
+            self._body_timer = self._clock.call_at(self._clock.time() + timeout, self._on_body_timeout)
+
+    def _disarm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _on_body_timeout(self) -> None:
+        """The body is late: answer 408 for an app still waiting for it (which then sees the client gone), and
+        close the connection either way."""
+        self._body_timer = None
+        cycle = self.cycle
+        response = b""
+        if cycle is not None and not cycle.response_started and not cycle.disconnected:
+            state = cycle.scope["state"]
+            state[BODY_TIMEOUT] = True  # the request's log line and metrics say 408 (gateway.middleware)
+            cycle.disconnected = True  # receive() returns http.disconnect; whatever the app sends is dropped
+            cycle.message_event.set()
+            message = f"The request body was not received within {self.guard.limits.body_timeout:g} s."
+            response = _json_response(b"408 Request Timeout", message, BODY_TIMEOUT, state.get("request_id"))
+        self._close(response, BODY_TIMEOUT)
 
     def _disarm_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -170,6 +278,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _close(self, response: bytes, reason: str) -> None:
         """Answer (if ``response``), then close: at once, or after a linger that drains the client's input."""
         self._disarm_header_timer()
+        self._disarm_body_timer()
         transport = self.transport
         if transport.is_closing() or self._closing is not None:
             return

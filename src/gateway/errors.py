@@ -9,6 +9,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from backends.errors import (
@@ -256,6 +257,11 @@ def install_error_handlers(app: FastAPI) -> None:
             APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=headers), request
         )
 
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        # The client left while its body was read, or its body timed out (the connection guard answered 408):
+        # no one reads this answer, and the request context middleware logs and counts the request (499 or 408).
+        return Response(status_code=499)
+
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.url.path)
         error = APIError(500, "The server had an error processing your request.", type="server_error")
@@ -265,4 +271,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(BackendError, on_backend_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)

@@ -12,6 +12,7 @@ import structlog
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.connections import BODY_TIMEOUT
 from gateway.errors import APIError, error_payload
 from gateway.metrics import GatewayMetrics
 
@@ -115,7 +116,10 @@ class RequestContextMiddleware:
             # backend's verdict); any other (bad JSON, validation 400, unknown model, 401, 413, 500) is counted here.
             routed = "status" in log
             final_status = log.pop("status", status)
-            if left_mid_body and not routed:  # whatever the app made of the cut body, the client is gone
+            if state.get(BODY_TIMEOUT) and not routed:  # the connection guard answered 408 for the late body
+                final_status = 408
+                log["error_code"] = BODY_TIMEOUT
+            elif left_mid_body and not routed:  # whatever the app made of the cut body, the client is gone
                 final_status = 499
                 log["error_code"] = "client_disconnected"
             if self.metrics is not None and not routed:

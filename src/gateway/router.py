@@ -119,6 +119,13 @@ class ModelRoutes:
             )
         return target
 
+    def ready_targets(self) -> list[Target]:
+        """The targets an unpinned request may be sent to by their backends' health, in the order ``choose``
+        tries them (policy candidates, then fallbacks). Circuits are left out: an open circuit is a passive,
+        per-process cut-off that reroutes or retries after its cool-down, not a verdict on the pod."""
+        ready = [t for t in self.candidates if t.backend.readiness()[0]]
+        return ready + [t for t in self.fallbacks if t not in ready and t.backend.readiness()[0]]
+
     def next_fallback(self, tried: list[Target]) -> Target | None:
         for target in self.fallbacks:
             if target not in tried and target.available():

@@ -4,6 +4,7 @@ the data-parallel rank workers once for all of them (``backends/workers/host.py`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -16,19 +17,29 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client import multiprocess
+from uvicorn.server import ServerState
 
 from backends.config import BackendConfig, DeepInferBackendConfig, ReferenceBackendConfig
 from backends.heap import cap_mmap_threshold
 from backends.workers.driver import WorkerPlan
 from backends.workers.host import RankHost
 from gateway.app import create_app
-from gateway.config import GatewayConfig, ServerConfig
-from gateway.connections import ConnectionGuard, ConnectionLimits
+from gateway.config import GatewayConfig
+from gateway.connections import (
+    PROBE_LISTENER,
+    PROBE_MAX_CONNECTIONS,
+    PROBE_PATHS,
+    Clock,
+    ConnectionGuard,
+    ConnectionLimits,
+    ConnectionMetrics,
+)
 from gateway.logs import configure_logging
 from gateway.metrics import MULTIPROCESS_DIR_ENV
 
@@ -39,21 +50,79 @@ PARENT_CHECK_SECONDS = 1.0
 multiprocessing.allow_connection_pickling()  # the listening socket goes to each worker process
 
 
+@dataclass(frozen=True)
+class ProbeListener:
+    """The second listening socket (``server.probe_port``) and the guard of its connections."""
+
+    socket: socket.socket
+    guard: ConnectionGuard
+
+
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT, first marks the gateway as draining (``/ready`` 503, new requests refused), then lets
     uvicorn stop accepting and wait for in-flight requests up to ``server.drain_seconds`` before cancelling them
-    (a cancelled stream aborts its engine request)."""
+    (a cancelled stream aborts its engine request).
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+    With a ``probe`` listener, probes have connections of their own, which uvicorn's drain neither closes nor
+    waits for: it keeps answering (``/ready``: draining) until the API listener has drained and the app stopped."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_exit: Callable[[], None],
+        *,
+        guard: ConnectionGuard,
+        probe: ProbeListener | None = None,
+    ) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self.guard = guard
+        self.probe = probe
+        self._probe_state = ServerState()
+        self._probe_server: asyncio.Server | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_exit()
         super().handle_exit(sig, frame)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.probe is None or not self.started:
+            return
+        config, protocol = self.config, self.probe.guard.protocol()
 
-def _serve(settings: GatewayConfig, sockets: list[socket.socket] | None = None, supervisor: int | None = None) -> None:
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return protocol(  # type: ignore[call-arg]
+                config=config, server_state=self._probe_state, app_state=self.lifespan.state, _loop=_loop
+            )
+
+        loop = asyncio.get_running_loop()
+        self._probe_server = await loop.create_server(create_protocol, sock=self.probe.socket, backlog=config.backlog)
+        logger.info(
+            "probe listener (%s) on %s:%s", ", ".join(sorted(PROBE_PATHS)), *self.probe.socket.getsockname()[:2]
+        )
+
+    async def on_tick(self, counter: int) -> bool:
+        should_exit = await super().on_tick(counter)
+        self._probe_state.default_headers = self.server_state.default_headers  # the Date header, as uvicorn's own
+        return should_exit
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            if self._probe_server is not None:
+                self._probe_server.close()
+                for connection in list(self._probe_state.connections):
+                    connection.shutdown()
+
+
+def _serve(
+    settings: GatewayConfig,
+    sockets: list[socket.socket] | None = None,
+    probe_socket: socket.socket | None = None,
+    supervisor: int | None = None,
+) -> None:
     configure_logging(settings.server.log_level)
     if supervisor is not None:
         _exit_with(supervisor)
@@ -61,9 +130,11 @@ def _serve(settings: GatewayConfig, sockets: list[socket.socket] | None = None, 
     # C++ call that releases the GIL on the engine thread can wait up to 5 ms to get it back from a busy loop.
     sys.setswitchinterval(settings.server.gil_switch_interval)
     cap_mmap_threshold()  # multi-MiB bodies and prompts go back to the OS when freed (backends/heap.py)
-    app = create_app(settings, serve_once_started=settings.server.workers > 1)
-    config = uvicorn_config(settings, app, connection_guard(settings.server, app))
-    DrainingServer(config, on_exit=app.state.gateway.begin_drain).run(sockets=sockets)
+    server = settings.server
+    if probe_socket is None and server.probe_port is not None:
+        probe_socket = bind(server.host, server.probe_port)
+    app = create_app(settings, serve_once_started=server.workers > 1)
+    gateway_server(settings, app, probe_socket=probe_socket).run(sockets=sockets)
 
 
 def _exit_with(supervisor: int) -> None:
@@ -78,10 +149,39 @@ def _exit_with(supervisor: int) -> None:
     threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
-def connection_guard(server: ServerConfig, app: FastAPI) -> ConnectionGuard:
-    """The connection limits of ``server``, counted in the app's metrics."""
-    limits = ConnectionLimits(server.header_timeout, server.max_header_bytes, server.max_connections)
-    return ConnectionGuard(limits, app.state.gateway.metrics.registry)
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket's address, bound (``listen`` comes with the server), inheritable by front ends."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def gateway_server(
+    settings: GatewayConfig,
+    app: FastAPI,
+    *,
+    probe_socket: socket.socket | None = None,
+    clock: Clock | None = None,
+) -> DrainingServer:
+    """The server as ``serve`` runs it: the API listener under the connection limits of ``settings``, and the
+    probe listener on ``probe_socket`` (same limits, its own cap, probe paths only), counted in the app's
+    metrics. ``clock``: the connection timers' (None: the event loop)."""
+    server = settings.server
+    limits = ConnectionLimits(
+        server.header_timeout, server.body_timeout, server.max_header_bytes, server.max_connections
+    )
+    metrics = ConnectionMetrics(app.state.gateway.metrics.registry)
+    guard = ConnectionGuard(limits, metrics, clock=clock)
+    probe = None
+    if probe_socket is not None:
+        probe_limits = replace(limits, max_connections=PROBE_MAX_CONNECTIONS)
+        probe_guard = ConnectionGuard(probe_limits, metrics, listener=PROBE_LISTENER, paths=PROBE_PATHS, clock=clock)
+        probe = ProbeListener(probe_socket, probe_guard)
+    config = uvicorn_config(settings, app, guard)
+    return DrainingServer(config, on_exit=app.state.gateway.begin_drain, guard=guard, probe=probe)
 
 
 def uvicorn_config(settings: GatewayConfig, app: FastAPI, guard: ConnectionGuard) -> uvicorn.Config:
@@ -136,15 +236,6 @@ class FrontEndSupervisor:
         """One slot per front-end process; None once a process has ended for good (while stopping)."""
         self.hosts: list[RankHost] = []
 
-    def _bind(self) -> socket.socket:
-        server = self.settings.server
-        family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((server.host, server.port))
-        sock.set_inheritable(True)
-        return sock
-
     def _host_ranks(self, run_dir: str) -> GatewayConfig:
         """Starts the ranks of every backend that has them; returns the settings the front ends run with (those
         backends' ranks as ``worker_endpoints``)."""
@@ -159,8 +250,8 @@ class FrontEndSupervisor:
             backends.append(backend)
         return self.settings.model_copy(update={"backends": backends})
 
-    def _start(self, sock: socket.socket) -> multiprocessing.process.BaseProcess:
-        worker = _spawn.Process(target=_serve, args=(self.front_end_settings, [sock], os.getpid()), daemon=False)
+    def _start(self, sock: socket.socket, probe: socket.socket | None) -> multiprocessing.process.BaseProcess:
+        worker = _spawn.Process(target=_serve, args=(self.front_end_settings, [sock], probe, os.getpid()), daemon=False)
         worker.start()
         logger.info("front-end process %s started", worker.pid)
         return worker
@@ -187,10 +278,12 @@ class FrontEndSupervisor:
             shutil.rmtree(run_dir, ignore_errors=True)
 
     def _supervise(self) -> None:
-        sock = self._bind()
+        server = self.settings.server
+        sock = bind(server.host, server.port)
+        probe = bind(server.host, server.probe_port) if server.probe_port is not None else None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
-        self.workers = [self._start(sock) for _ in range(self.settings.server.workers)]
+        self.workers = [self._start(sock, probe) for _ in range(server.workers)]
         logger.info("serving on %s:%s with %d front-end processes", *sock.getsockname()[:2], len(self.workers))
         while running := [w for w in self.workers if w is not None]:
             waits = [host.timeout(time.monotonic()) for host in self.hosts]
@@ -213,5 +306,7 @@ class FrontEndSupervisor:
                     continue
                 logger.warning("front-end process %s exited with %s; starting another", worker.pid, worker.exitcode)
                 time.sleep(RESTART_PAUSE_SECONDS)  # a process that cannot start must not spin the host
-                self.workers[position] = None if self.stopping else self._start(sock)
+                self.workers[position] = None if self.stopping else self._start(sock, probe)
         sock.close()
+        if probe is not None:
+            probe.close()

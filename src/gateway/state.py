@@ -29,6 +29,8 @@ class GatewayState:
     """Stored Responses API responses (``server.responses_store``)."""
     store: SharedStateStore | None = None
     """The shared state store (``server.state_store``), if one is configured."""
+    started: bool = False
+    """Set once every backend's start has returned or failed: until then /ready is 503 (starting)."""
     draining: bool = False
     """Set on SIGTERM: /ready turns 503 and new generation requests are refused while in-flight ones finish."""
 

@@ -276,21 +276,39 @@ def test_kustomization_lists_exactly_the_manifests() -> None:
     assert sorted(kustomization["resources"]) == sorted(p.name for p in MANIFESTS)
 
 
-def test_liveness_probes_health_and_readiness_probes_ready_on_the_container_port() -> None:
-    container = gateway_container()
-    served = int(option(dockerfile_cmd(), "--port"))
-    assert {p["containerPort"] for p in container["ports"]} == {served}
+def configured_server(container: dict[str, Any], config: Path) -> ServerConfig:
+    """The server settings a container runs with: its config file with its ``GATEWAY_*`` environment applied."""
+    with pytest.MonkeyPatch.context() as mp:
+        for variable in container.get("env", []):
+            mp.setenv(variable["name"], variable["value"])
+        return load_config(config).server
+
+
+def assert_probes_use_the_probe_listener(
+    pod: dict[str, Any], container: dict[str, Any], config: Path, served: int
+) -> None:
+    """Probes and scrapes go to the probe listener (``server.probe_port``), never starved by the API's cap."""
+    probe_port = configured_server(container, config).probe_port
+    assert probe_port is not None and probe_port != served, "the container runs no probe listener of its own"
+    assert {p["containerPort"] for p in container["ports"]} == {served, probe_port}
     for probe, path in (("livenessProbe", "/health"), ("readinessProbe", "/ready"), ("startupProbe", "/health")):
         get = container[probe]["httpGet"]
         assert get["path"] == path, f"{probe} should GET {path}"
-        assert container_port(container, get["port"]) == served, f"{probe} probes another port"
+        assert container_port(container, get["port"]) == probe_port, f"{probe} probes another port"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(probe_port), "scrapes go to the API port"
+
+
+def test_probes_go_to_the_probe_listener_and_the_api_to_the_served_port(tmp_path: Path) -> None:
+    served = int(option(dockerfile_cmd(), "--port"))
+    pod = resource("Deployment")["spec"]["template"]
+    assert_probes_use_the_probe_listener(pod, gateway_container(), configmap_config(tmp_path), served)
 
 
 def test_service_routes_named_port_http_80_to_the_container_port() -> None:
     service = resource("Service")
     deployment = resource("Deployment")
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
-    (port,) = service["spec"]["ports"]
+    (port,) = service["spec"]["ports"]  # the probe listener stays inside the pod network
     assert (port["name"], port["port"]) == ("http", 80)
     assert container_port(gateway_container(), port["targetPort"]) == int(option(dockerfile_cmd(), "--port"))
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -420,7 +438,9 @@ def test_deepinfer_node_configmap_is_the_deepinfer_config() -> None:
     assert yaml.safe_load(data) == yaml.safe_load((CONFIG_DIR / "deepinfer.yaml").read_text()), "drifted"
 
 
-def test_deepinfer_node_pod_owns_every_gpu_its_engine_uses_with_shared_memory_and_room_to_drain() -> None:
+def test_deepinfer_node_pod_owns_every_gpu_its_engine_uses_with_shared_memory_and_room_to_drain(
+    tmp_path: Path,
+) -> None:
     deployment = _node_resource("Deployment")
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -439,4 +459,9 @@ def test_deepinfer_node_pod_owns_every_gpu_its_engine_uses_with_shared_memory_an
     drain = float(env["GATEWAY_SERVER__DRAIN_SECONDS"])
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
     assert pod["terminationGracePeriodSeconds"] > drain + pre_stop
-    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    config = tmp_path / "config.yaml"
+    config.write_text(_node_resource("ConfigMap")["data"]["config.yaml"])
+    served = configured_server(container, config).port
+    assert_probes_use_the_probe_listener(deployment["spec"]["template"], container, config, served)
+    (service_port,) = _node_resource("Service")["spec"]["ports"]
+    assert container_port(container, service_port["targetPort"]) == served

@@ -6,20 +6,23 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import orjson
 
-from ..conftest import MODEL
+from ..conftest import MODEL, wait_until
 from ..processes import free_port
 
 
-def _serve(tmp_path: Path, drain_seconds: float) -> tuple[subprocess.Popen[bytes], str, Path]:
+def _serve(
+    tmp_path: Path, drain_seconds: float, probe_port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_port()
     config = tmp_path / "drain.yaml"
     config.write_text(
-        f"server: {{drain_seconds: {drain_seconds}}}\n"
+        f"server: {{drain_seconds: {drain_seconds}, probe_port: {'null' if probe_port is None else probe_port}}}\n"
         "backends:\n  - {name: reference, kind: reference, timing: {decode_seconds_per_step: 0.02}}\n"
         f"models:\n  - {{name: {MODEL}, backends: [reference]}}\n"
     )
@@ -41,7 +44,9 @@ def _serve(tmp_path: Path, drain_seconds: float) -> tuple[subprocess.Popen[bytes
     raise RuntimeError("gateway did not start")
 
 
-def _stream_then_sigterm(process: subprocess.Popen[bytes], base: str, max_tokens: int) -> list[str]:
+def _stream_then_sigterm(
+    process: subprocess.Popen[bytes], base: str, max_tokens: int, while_draining: Callable[[], None] = lambda: None
+) -> list[str]:
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "go"}],
@@ -58,17 +63,30 @@ def _stream_then_sigterm(process: subprocess.Popen[bytes], base: str, max_tokens
                     data.append(line[6:])
                     if len(data) == 3:
                         process.send_signal(signal.SIGTERM)
+                        while_draining()
     except httpx.HTTPError:
         pass  # a stream cut at the drain deadline ends without a clean HTTP ending
     return data
 
 
 def test_sigterm_lets_a_stream_in_flight_finish_and_refuses_new_connections(tmp_path: Path) -> None:
-    process, base, log = _serve(tmp_path, drain_seconds=30)
+    probe_port = free_port()
+    probe = f"http://127.0.0.1:{probe_port}"
+    process, base, log = _serve(tmp_path, drain_seconds=30, probe_port=probe_port)
+    seen: dict[str, object] = {}
+
+    def probe_while_draining() -> None:
+        """The probe listener keeps answering through the drain: /ready says so, /health stays 200."""
+        draining = wait_until(lambda: httpx.get(f"{probe}/ready", timeout=5).status_code == 503, timeout=30)
+        seen["ready"] = httpx.get(f"{probe}/ready", timeout=5).json()["status"] if draining else None
+        seen["health"] = httpx.get(f"{probe}/health", timeout=5).status_code
+
     try:
-        data = _stream_then_sigterm(process, base, max_tokens=60)
+        assert httpx.get(f"{probe}/ready", timeout=5).status_code == 200
+        data = _stream_then_sigterm(process, base, max_tokens=100, while_draining=probe_while_draining)
+        assert seen == {"ready": "draining", "health": 200}
         assert data[-1] == "[DONE]", "the stream was not cut"
-        assert orjson.loads(data[-2])["usage"]["completion_tokens"] == 60
+        assert orjson.loads(data[-2])["usage"]["completion_tokens"] == 100
         try:
             refused = httpx.get(f"{base}/health", timeout=2).status_code
         except httpx.TransportError:

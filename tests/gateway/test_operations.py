@@ -125,6 +125,7 @@ def test_ready_is_503_until_every_backend_started_while_health_is_200() -> None:
         assert httpx.get(f"{running.base_url}/health").status_code == 200
         not_ready = httpx.get(f"{running.base_url}/ready")
         assert not_ready.status_code == 503
+        assert not_ready.json()["status"] == "starting"
         assert not_ready.json()["backends"]["slow"]["reason"] == "starting"
         refused = httpx.post(
             f"{running.base_url}/v1/chat/completions",
