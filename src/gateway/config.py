@@ -209,6 +209,11 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
+    aliases: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="other names clients may send for this model (Claude Code's --model and small-fast model, "
+        "an SDK's default); they are served, listed and counted as the model itself",
+    )
     backends: list[TargetEntry] = Field(min_length=1, description="backend names or {backend, weight} mappings")
     policy: Literal["weighted", "least_outstanding", "prefix_affinity"] = "weighted"
     fallbacks: list[str] = Field(
@@ -277,10 +282,10 @@ class GatewayConfig(BaseSettings):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"backends: duplicate backend name(s) {duplicates}")
-        model_names = [m.name for m in self.models]
+        model_names = [name for m in self.models for name in (m.name, *m.aliases)]
         duplicates = sorted({n for n in model_names if model_names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"models: duplicate model name(s) {duplicates}")
+            raise ValueError(f"models: duplicate model name(s) or alias(es) {duplicates}")
         if not self.models:
             raise ValueError("models: at least one model must be served")
         for i, model in enumerate(self.models):

@@ -35,8 +35,9 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-def response_envelope(body: CreateResponseRequest, response_id: str, created_at: int) -> dict[str, Any]:
-    """The ``response`` object before any output: the request's settings as the response reports them."""
+def response_envelope(body: CreateResponseRequest, model: str, response_id: str, created_at: int) -> dict[str, Any]:
+    """The ``response`` object before any output: the request's settings as the response reports them, with the
+    served model's name (``body.model`` may be an alias of it)."""
     text_format = body.text.format.echo() if body.text is not None and body.text.format is not None else None
     reasoning = body.reasoning
     return {
@@ -50,7 +51,7 @@ def response_envelope(body: CreateResponseRequest, response_id: str, created_at:
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
         "max_tool_calls": None,
-        "model": body.model,
+        "model": model,
         "output": [],
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
