@@ -21,6 +21,7 @@ from backends.interface import Delta, Finish, PromptEcho, ToolCallDelta, Usage
 from gateway.errors import APIError
 from gateway.openai.responses import chat_logprobs
 from gateway.openai.responses_api import CreateResponseRequest, new_id
+from gateway.sse import PING_FRAME
 
 Frames = list[bytes] | None  # where stream events go; None when building a whole response
 
@@ -90,6 +91,7 @@ class ResponsesFormat:
     """
 
     done_frame: bytes | None = None  # a Responses stream ends with response.completed, not [DONE]
+    ping_frame = PING_FRAME
 
     def __init__(
         self,
