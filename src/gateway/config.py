@@ -55,6 +55,13 @@ class ServerConfig(BaseModel):
         default_factory=list, description="client keys for /v1 (Bearer or x-api-key); empty: no auth", repr=False
     )
     admin_api_key: str | None = Field(None, min_length=8, description="protects /metrics and /admin", repr=False)
+    thinking_signature_key: str | None = Field(
+        None,
+        min_length=16,
+        description="secret that signs /v1/messages thinking blocks (replicas on several hosts need the same); "
+        "unset: a random key kept in $DEEPINFER_GATEWAY_CACHE, shared by the processes of one host",
+        repr=False,
+    )
     requests_per_minute: int | None = Field(None, ge=1, description="default per-key request limit")
     tokens_per_minute: int | None = Field(None, ge=1, description="default per-key token limit")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")

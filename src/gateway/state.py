@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from backends.interface import Backend
+from gateway.anthropic.signatures import ThinkingSigner
 from gateway.config import GatewayConfig
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
@@ -29,6 +30,8 @@ class GatewayState:
     """Stored Responses API responses (``server.responses_store``)."""
     store: SharedStateStore | None = None
     """The shared state store (``server.state_store``), if one is configured."""
+    thinking_signer: ThinkingSigner | None = None
+    """Signs and checks the thinking blocks of ``/v1/messages`` (``server.thinking_signature_key``)."""
     draining: bool = False
     """Set on SIGTERM: /ready turns 503 and new generation requests are refused while in-flight ones finish."""
 
