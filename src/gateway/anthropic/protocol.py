@@ -9,8 +9,9 @@ What Anthropic would refuse is refused (a final assistant message, as on models 
 ``tool_result`` that answers no ``tool_use`` of the turn before; thinking with a forced tool; ``budget_tokens``
 under 1024); fields of Anthropic's service that change nothing here are accepted and ignored (``cache_control``,
 ``metadata`` beyond ``user_id``, ``service_tier``, ``inference_geo``, ``diagnostics``); features this gateway
-cannot honour are a 400 that names them (images and documents, server tools, MCP servers, containers, deferred
-tools, ``clear_tool_uses`` context edits, ``speed: "fast"``).
+cannot honour are a 400 that names them (images and documents, server tools, MCP servers, containers,
+``clear_tool_uses`` context edits, ``speed: "fast"``). Deferred tools (``defer_loading``) stay out of the prompt until a
+``tool_reference`` in a tool result loads them, as Anthropic's tool search does.
 """
 
 from __future__ import annotations
@@ -240,6 +241,13 @@ class _Conversation(_Body):
                 "this model does not support assistant message prefill: the conversation must end with a user message",
             )
         _check_tool_turns(self.messages)
+        names = {tool["name"] for tool in self.tools or ()}
+        for i, message in enumerate(self.messages):
+            for j, block in enumerate(message["content"]):
+                for name in block.get("references", ()):
+                    if name not in names:
+                        where = f"messages[{i}].content[{j}]"
+                        raise ParameterError(where, f"a tool_reference names {shown(name)}, which is not in tools")
         choice = self.tool_choice
         if choice is not None and choice["type"] in ("any", "tool"):
             if not self.tools:
@@ -366,16 +374,26 @@ def _block(block: Any, where: str, role: str) -> dict[str, Any]:
         return {"type": "tool_use", "id": use_id, "name": _string(block, "name", where), "input": block["input"]}
     # tool_result
     content = block.get("content", "")
+    references: list[str] = []  # tools a tool search loaded (``tool_reference`` blocks)
     if isinstance(content, list):
         texts = []
         for k, part in enumerate(content):
+            here = f"{where}.content[{k}]"
             if not isinstance(part, dict):
-                raise ParameterError(f"{where}.content[{k}]", "a content block must be an object")
-            if part.get("type") in UNSUPPORTED_BLOCKS:
-                raise UnsupportedParameter(f"{where}.content[{k}].type", UNSUPPORTED_BLOCKS[part["type"]])
-            if part.get("type") != "text":
-                raise ParameterError(f"{where}.content[{k}].type", f"expected 'text', got {shown(part.get('type'))}")
-            texts.append(_block(part, f"{where}.content[{k}]", "user")["text"])
+                raise ParameterError(here, "a content block must be an object")
+            kind = part.get("type")
+            if kind in UNSUPPORTED_BLOCKS:
+                raise UnsupportedParameter(f"{here}.type", UNSUPPORTED_BLOCKS[kind])
+            if kind == "tool_reference":
+                extra = sorted(set(part) - {"type", "tool_name", "cache_control"})
+                if extra:
+                    raise ParameterError(f"{here}.{extra[0]}", "unknown field in a tool_reference block")
+                references.append(_string(part, "tool_name", here))
+                texts.append(f"Tool loaded: {part['tool_name']}")
+                continue
+            if kind != "text":
+                raise ParameterError(f"{here}.type", f"expected 'text' or 'tool_reference', got {shown(kind)}")
+            texts.append(_block(part, here, "user")["text"])
         content = "\n\n".join(texts)
     elif not isinstance(content, str):
         raise ParameterError(f"{where}.content", "expected a string or a list of text blocks")
@@ -387,6 +405,7 @@ def _block(block: Any, where: str, role: str) -> dict[str, Any]:
         "tool_use_id": _string(block, "tool_use_id", where),
         "content": content,
         "is_error": is_error,
+        "references": references,
     }
 
 
@@ -420,8 +439,8 @@ def _custom_tool(tool: Any, where: str) -> None:
         raise MissingParameter(f"{where}.input_schema", "a tool needs an input_schema (a JSON Schema object)")
     if schema.get("type") != "object":
         raise ParameterError(f"{where}.input_schema.type", f"expected 'object', got {shown(schema.get('type'))}")
-    if tool.get("defer_loading"):
-        raise UnsupportedParameter(f"{where}.defer_loading", "deferred tools (tool search) are not supported")
+    if not isinstance(tool.get("defer_loading", False), bool):
+        raise ParameterError(f"{where}.defer_loading", "expected true or false")
     callers = tool.get("allowed_callers")
     if callers is not None and callers != ["direct"]:
         raise UnsupportedParameter(f"{where}.allowed_callers", "only direct tool calls are supported")

@@ -4,7 +4,8 @@
   per ``tool_result``, in order) followed by a user message with its text; an assistant turn (consecutive
   assistant messages are one) becomes one assistant message with its text, its thinking as
   ``reasoning_content`` (checked against its signature) and its ``tool_use`` blocks as ``tool_calls``.
-- ``tools`` become function tools (``input_schema`` is the function's ``parameters``); ``tool_choice`` ``auto``,
+- ``tools`` become function tools (``input_schema`` is the function's ``parameters``; a deferred tool only once a
+  ``tool_reference`` loaded it); ``tool_choice`` ``auto``,
   ``any``, ``tool`` and ``none`` become ``auto``, ``required``, a named function and ``none``, and
   ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.
 - ``thinking`` (``enabled``, ``adaptive``, ``between_tools``) is V4.1's thinking mode, ``disabled`` its chat mode;
@@ -102,15 +103,20 @@ def _text(content: str | list[dict[str, Any]]) -> str:
 
 
 def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
+    """The function tools the model is told about: every tool but a deferred one (``defer_loading``) that no
+    ``tool_reference`` of a tool result has loaded yet."""
     if not body.tools:
         return None
+    loaded = {name for m in body.messages for block in m["content"] for name in block.get("references", ())}
     out = []
     for tool in body.tools:
+        if tool.get("defer_loading") and tool["name"] not in loaded:
+            continue
         function: dict[str, Any] = {"name": tool["name"], "parameters": tool["input_schema"]}
         if tool.get("description"):
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
-    return out
+    return out or None
 
 
 def chat_tool_choice(body: CountTokensRequest) -> tuple[str | dict[str, Any] | None, bool | None]:

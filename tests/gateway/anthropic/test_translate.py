@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.anthropic.protocol import MessagesRequest
 from gateway.anthropic.signatures import ThinkingSigner
-from gateway.anthropic.translate import chat_messages, chat_tool_choice, generate_request, thinking_mode
+from gateway.anthropic.translate import chat_messages, chat_tool_choice, chat_tools, generate_request, thinking_mode
 from gateway.errors import APIError
 
 SIGNER = ThinkingSigner.from_secret("translation tests secret")
@@ -172,3 +173,34 @@ def test_sampling_stop_sequences_user_and_format_reach_the_chat_request() -> Non
     assert (chat.sampling.max_tokens, chat.sampling.temperature, chat.sampling.top_k) == (16, 0.5, 5)
     assert chat.sampling.stop == ["END"] and chat.sampling.fit_context
     assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def test_a_deferred_tool_reaches_the_prompt_once_a_tool_reference_loads_it() -> None:
+    deferred = {"name": "get_time", "input_schema": {"type": "object"}, "defer_loading": True}
+    search = {"name": "search_tools", "input_schema": {"type": "object"}}
+    asked = [{"role": "user", "content": "What time is it?"}]
+    before = request(messages=asked, tools=[search, deferred])
+    assert [t["function"]["name"] for t in chat_tools(before) or ()] == ["search_tools"]
+    found = [
+        *asked,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_s", "name": "search_tools", "input": {}}]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_s",
+                    "content": [{"type": "tool_reference", "tool_name": "get_time"}],
+                }
+            ],
+        },
+    ]
+    after = request(messages=found, tools=[search, deferred])
+    assert [t["function"]["name"] for t in chat_tools(after) or ()] == ["search_tools", "get_time"]
+    assert chat_messages(after, SIGNER)[-1] == {
+        "role": "tool",
+        "tool_call_id": "toolu_s",
+        "content": "Tool loaded: get_time",
+    }
+    with pytest.raises(ValidationError, match="not in tools"):
+        request(messages=found, tools=[search])
