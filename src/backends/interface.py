@@ -36,6 +36,9 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
+    fit_context: bool = False
+    """``max_tokens`` is only a ceiling: when the prompt leaves less room in the context, generate up to the
+    context's end instead of refusing the request (the Messages API's behaviour; chat refuses)."""
 
 
 SAMPLING_DEFAULTS = SamplingOptions()
@@ -112,12 +115,14 @@ class Finish(NamedTuple):
     """The choice is complete. ``reason`` is an OpenAI finish reason: stop, length, tool_calls.
 
     ``logprobs`` (when logprobs were asked for) covers the end-of-sequence token that ended the choice: it adds no
-    text but is counted in ``completion_tokens``, and the legacy completions format lists it.
+    text but is counted in ``completion_tokens``, and the legacy completions format lists it. ``matched_stop`` is
+    the stop string that ended the choice, when one did (reason ``stop``).
     """
 
     index: int
     reason: str
     logprobs: Sequence[TokenLogprob] | None = None
+    matched_stop: str | None = None
 
 
 class Usage(NamedTuple):

@@ -15,6 +15,7 @@ from backends.interface import Backend
 from backends.registry import BackendKindUnavailableError, build_backend
 from gateway import __version__
 from gateway.admission import admitted
+from gateway.anthropic.signatures import signer_for
 from gateway.auth import ApiKeyMiddleware
 from gateway.bodies import JSONBodyParser
 from gateway.config import GatewayConfig
@@ -24,7 +25,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
 from gateway.response_store import StoredResponses, open_response_store
 from gateway.router import ModelRouter
-from gateway.routes import admin, generate, models, operations, responses, tokenize
+from gateway.routes import admin, generate, messages, models, operations, responses, tokenize
 from gateway.state import GatewayState
 from gateway.state_store import SharedStateStore
 
@@ -71,6 +72,7 @@ def create_app(
             ),
             metrics.registry,
         ),
+        thinking_signer=signer_for(server.thinking_signature_key),
     )
     json_parser = JSONBodyParser(config.server.json_parse_processes)
 
@@ -104,6 +106,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(generate.router)
     app.include_router(responses.router)
+    app.include_router(messages.router)
     app.include_router(models.router)
     app.include_router(tokenize.router)
     app.include_router(operations.router)

@@ -8,11 +8,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.config import ApiKeyConfig
-from gateway.errors import error_payload
+from gateway.errors import APIError, error_body
 
 OPEN_PATHS = ("/health", "/ready")
 ADMIN_PREFIXES = ("/metrics", "/admin")
@@ -96,11 +95,18 @@ def _client_label(presented: str | None, clients: list[tuple[bytes, str]]) -> st
     return found
 
 
+def _unauthorized_body(scope: Scope, message: str) -> bytes:
+    """The 401's body in the words of the API the client called (Anthropic's ``authentication_error`` on the
+    Messages routes, OpenAI's ``invalid_api_key`` elsewhere)."""
+    error = APIError(401, message, code="invalid_api_key")
+    return error_body(error, scope["path"], scope.get("state", {}).get("request_id"))
+
+
 async def _unauthorized(scope: Scope, send: Send, message: str) -> None:
     log = scope.get("state", {}).get("log")
     if log is not None:  # the access-log line says why (the request context middleware runs outside this one)
         log["error_code"] = "invalid_api_key"
-    body = orjson.dumps(error_payload(message, "invalid_request_error", None, "invalid_api_key"))
+    body = _unauthorized_body(scope, message)
     await send(
         {
             "type": "http.response.start",

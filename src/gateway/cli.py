@@ -83,8 +83,9 @@ def ranks(
 
 
 REDACTED = "<redacted>"
-SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
-"""Configuration fields holding secrets: the admin key and upstream bearer tokens (client keys: ``api_keys``)."""
+SECRET_FIELDS = frozenset({"api_key", "admin_api_key", "thinking_signature_key"})
+"""Configuration fields holding secrets: the admin key, upstream bearer tokens and the thinking-signature key
+(client keys: ``api_keys``)."""
 
 
 URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@", re.IGNORECASE)

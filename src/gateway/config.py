@@ -55,6 +55,13 @@ class ServerConfig(BaseModel):
         default_factory=list, description="client keys for /v1 (Bearer or x-api-key); empty: no auth", repr=False
     )
     admin_api_key: str | None = Field(None, min_length=8, description="protects /metrics and /admin", repr=False)
+    thinking_signature_key: str | None = Field(
+        None,
+        min_length=16,
+        description="secret that signs /v1/messages thinking blocks (replicas on several hosts need the same); "
+        "unset: a random key kept in $DEEPINFER_GATEWAY_CACHE, shared by the processes of one host",
+        repr=False,
+    )
     requests_per_minute: int | None = Field(None, ge=1, description="default per-key request limit")
     tokens_per_minute: int | None = Field(None, ge=1, description="default per-key token limit")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
@@ -230,6 +237,11 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
+    aliases: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="other names clients may send for this model (Claude Code's --model and small-fast model, "
+        "an SDK's default); they are served, listed and counted as the model itself",
+    )
     backends: list[TargetEntry] = Field(min_length=1, description="backend names or {backend, weight} mappings")
     policy: Literal["weighted", "least_outstanding", "prefix_affinity"] = "weighted"
     fallbacks: list[str] = Field(
@@ -298,10 +310,10 @@ class GatewayConfig(BaseSettings):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"backends: duplicate backend name(s) {duplicates}")
-        model_names = [m.name for m in self.models]
+        model_names = [name for m in self.models for name in (m.name, *m.aliases)]
         duplicates = sorted({n for n in model_names if model_names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"models: duplicate model name(s) {duplicates}")
+            raise ValueError(f"models: duplicate model name(s) or alias(es) {duplicates}")
         if not self.models:
             raise ValueError("models: at least one model must be served")
         for i, model in enumerate(self.models):

@@ -22,6 +22,7 @@ from backends.errors import (
     UnavailableError,
     UpstreamError,
 )
+from gateway.anthropic import errors as anthropic_errors
 from gateway.openai.protocol import MissingParameter, ParameterError, UnsupportedParameter, shown
 
 logger = logging.getLogger(__name__)
@@ -72,12 +73,22 @@ def api_error_from_backend(exc: BackendError) -> APIError:
     return APIError(500, exc.message, type="server_error", code=exc.code)
 
 
+def error_body(error: APIError, path: str, request_id: str | None = None) -> bytes:
+    """The error's JSON body in the words of the API at ``path``: Anthropic's on the Messages routes, else
+    OpenAI's."""
+    if anthropic_errors.speaks_anthropic(path):
+        return anthropic_errors.error_body(error.status, error.message, request_id)
+    return orjson.dumps(error_payload(error.message, error.type, error.param, error.code))
+
+
 def error_response(error: APIError, request: Request | None = None) -> Response:
-    """The error as OpenAI's JSON body; its code goes into the request's access-log line."""
+    """The error as the API's JSON body (``error_body``); its code goes into the request's access-log line."""
     log = getattr(request.state, "log", None) if request is not None else None
     if log is not None:
         log["error_code"] = error.code or error.type
-    body = orjson.dumps(error_payload(error.message, error.type, error.param, error.code))
+    path = request.url.path if request is not None else ""
+    request_id = getattr(request.state, "request_id", None) if request is not None else None
+    body = error_body(error, path, request_id)
     return Response(body, status_code=error.status, media_type="application/json", headers=error.headers)
 
 

@@ -7,13 +7,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 import structlog
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.connections import BODY_TIMEOUT
-from gateway.errors import APIError, error_payload
+from gateway.errors import APIError, error_body
 from gateway.metrics import GatewayMetrics
 
 _log = structlog.get_logger("gateway.access")
@@ -86,6 +85,7 @@ class RequestContextMiddleware:
         try:
             if self.draining() and scope["path"].startswith("/v1/") and scope["method"] == "POST":
                 await _send_error(
+                    scope,
                     send_with_id,
                     APIError(503, "The gateway is shutting down.", type="server_error", code="draining"),
                     retry_after=1,
@@ -93,7 +93,7 @@ class RequestContextMiddleware:
                 return
             if content_length is not None and content_length > limit:
                 too_large = BodyTooLargeError(limit)
-                await _send_error(send_with_id, APIError(413, str(too_large.detail), code="request_too_large"))
+                await _send_error(scope, send_with_id, APIError(413, str(too_large.detail), code="request_too_large"))
                 return
             received = 0
             body_done = False
@@ -137,8 +137,8 @@ class RequestContextMiddleware:
                 )
 
 
-async def _send_error(send: Send, error: APIError, retry_after: int | None = None) -> None:
-    body = orjson.dumps(error_payload(error.message, error.type, error.param, error.code))
+async def _send_error(scope: Scope, send: Send, error: APIError, retry_after: int | None = None) -> None:
+    body = error_body(error, scope["path"], scope["state"].get("request_id"))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))

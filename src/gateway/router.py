@@ -157,6 +157,8 @@ class ModelRouter:
         loads = {name: BackendLoad() for name in backends}
         self._models = {m.name: ModelRoutes(m, backends, loads, self.metrics, rng) for m in models}
         self.model_names = list(self._models)
+        self.aliases = {alias: m.name for m in models for alias in m.aliases}
+        """Every alias and the served model name it stands for (``models[].aliases``)."""
         self.metrics.watch(self.targets, self.shadows)
 
     def route(
@@ -169,8 +171,8 @@ class ModelRouter:
         """The events of ``request`` from the target the model's policy picks (``factory`` opens them on a
         backend). Raises 404 for an unknown model, 400 for a pin header naming a foreign backend, 503 when
         no target is available. The in-flight count of the target goes up now, before any await, so
-        concurrent arrivals see each other."""
-        routes = self._models.get(model)
+        concurrent arrivals see each other. ``model`` may be an alias."""
+        routes = self._models.get(self.aliases.get(model, model))
         if routes is None:
             raise model_not_found(model)
         target, via = routes.choose(request, headers)
@@ -178,6 +180,16 @@ class ModelRouter:
         if routes.shadow is not None and via != "pinned":
             pair = routes.shadow.mirror(target.name, request, factory)
         return RoutedStream(routes, target, via, factory, pair)
+
+    def served_name(self, model: str) -> str:
+        """The served model a client's name stands for (itself, or the model it is an alias of); a 404 when no
+        model answers to it. Routes, metrics and response bodies use this name, so an alias is the model."""
+        if model in self._models:
+            return model
+        served = self.aliases.get(model)
+        if served is None:
+            raise model_not_found(model)
+        return served
 
     def model_routes(self, model: str) -> ModelRoutes:
         """One model's routes (operators, benchmarks); KeyError if the model is not served."""

@@ -86,7 +86,8 @@ async def send_within(send: Send, message: Message, stall: float | None) -> None
 
 
 class EventStreamResponse(Response):
-    """``text/event-stream`` of the byte frames ``content`` yields, each yield one write.
+    """``text/event-stream`` of the byte frames ``content`` yields, each yield one write; ``ping_frame`` (a
+    comment line unless the API has an event for it) when the stream was silent for ``ping_seconds``.
 
     ``on_end(stalled)`` is called once the response is over, whichever way: complete, the client gone, a send
     stalled past ``stall_timeout`` (``stalled``), or the server cancelling the request on shutdown (the
@@ -104,6 +105,7 @@ class EventStreamResponse(Response):
         headers: dict[str, str],
         ping_seconds: float | None,
         stall_timeout: float | None,
+        ping_frame: bytes = PING_FRAME,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -112,6 +114,7 @@ class EventStreamResponse(Response):
         self._watch = watch
         self._on_end = on_end
         self._ping_seconds = ping_seconds
+        self._ping_frame = ping_frame
         self._stall_timeout = stall_timeout
         self._last_write = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -164,5 +167,5 @@ class EventStreamResponse(Response):
     async def _ping(self, send: Send) -> None:
         """A ping waits as long as the client makes it: a stalled client is caught by the next frame's send."""
         with contextlib.suppress(Exception):  # the connection is gone: the disconnect watch ends the stream
-            await send({"type": "http.response.body", "body": PING_FRAME, "more_body": True})
+            await send({"type": "http.response.body", "body": self._ping_frame, "more_body": True})
             self._last_write = asyncio.get_running_loop().time()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from backends.interface import Backend
+from gateway.anthropic.signatures import ThinkingSigner
 from gateway.config import GatewayConfig
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
@@ -31,6 +32,8 @@ class GatewayState:
     """The shared state store (``server.state_store``), if one is configured."""
     started: bool = False
     """Set once every backend's start has returned or failed: until then /ready is 503 (starting)."""
+    thinking_signer: ThinkingSigner | None = None
+    """Signs and checks the thinking blocks of ``/v1/messages`` (``server.thinking_signature_key``)."""
     draining: bool = False
     """Set on SIGTERM: /ready turns 503 and new generation requests are refused while in-flight ones finish."""
 

@@ -21,9 +21,8 @@ from backends.errors import BackendError, BackendTimeoutError, SlowClientError
 from backends.interface import Delta, Event, Finish, PromptEcho, Usage
 from backends.streams import interleave
 from gateway.bursts import BurstReader
-from gateway.errors import APIError, api_error_from_backend, error_payload
+from gateway.errors import APIError, api_error_from_backend
 from gateway.metrics import RequestObserver
-from gateway.openai.responses import sse_frame
 from gateway.sse import DisconnectWatch, EventStreamResponse
 
 logger = logging.getLogger(__name__)
@@ -31,8 +30,8 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 SLOW_CLIENT_STATUS = 408  # logged for a stream stopped because its client did not read
 MAX_BURST = 64
 """Frames written to a client in one send at most, when that many were ready at once."""
-INTERNAL_ERROR_FRAME = sse_frame(
-    error_payload("The server had an error processing your request.", "server_error", None, "internal_error")
+INTERNAL_ERROR = APIError(
+    500, "The server had an error processing your request.", type="server_error", code="internal_error"
 )
 
 
@@ -129,8 +128,11 @@ async def _within(deadline: _Deadline | None, wait: Callable[[], Awaitable[Event
     return event
 
 
-class OpenAIFormat(Protocol):
+class WireFormat(Protocol):
+    """How one API writes a request's events: chat, completions, the Responses API, Anthropic's Messages."""
+
     done_frame: bytes | None  # the stream's last frame (chat and completions: [DONE])
+    ping_frame: bytes  # what a stream silent for ``ping_seconds`` gets, so proxies keep it open
 
     def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None: ...
     def usage_frame(self, usage: Usage) -> bytes: ...
@@ -181,7 +183,7 @@ def _record(observer: RequestObserver, outcome: _Outcome, stalled: bool) -> None
 async def stream_response(
     request: Request,
     events: AsyncIterator[Event],
-    fmt: OpenAIFormat,
+    fmt: WireFormat,
     observer: RequestObserver,
     *,
     include_usage: bool,
@@ -248,7 +250,7 @@ async def stream_response(
         except Exception:
             logger.exception("stream of request %s failed after its first frame", request.state.request_id)
             outcome.status, outcome.code = 500, "internal_error"
-            burst.append(INTERNAL_ERROR_FRAME)
+            burst.append(fmt.error_frame(INTERNAL_ERROR))
         finally:
             # A cancelled stream still aborts its backend work: the cancellation was spent at the pending await.
             await reader.aclose()
@@ -264,6 +266,7 @@ async def stream_response(
         lambda stalled: _record(observer, outcome, stalled),
         headers=headers,
         ping_seconds=ping_seconds,
+        ping_frame=fmt.ping_frame,
         stall_timeout=timeouts.stall if timeouts else None,
     )
 
@@ -271,7 +274,7 @@ async def stream_response(
 async def whole_response(
     request: Request,
     events: AsyncIterator[Event],
-    fmt: OpenAIFormat,
+    fmt: WireFormat,
     observer: RequestObserver,
     *,
     want_logprobs: bool,

@@ -39,6 +39,15 @@ def test_environment_overrides_the_file_and_flags_override_both(
             "duplicate backend name",
         ),
         ("backends:\n  - {name: a, kind: reference}\nmodels: []\n", "at least one model"),
+        (
+            "backends:\n  - {name: a, kind: reference}\n"
+            "models:\n  - {name: m, backends: [a], aliases: [n]}\n  - {name: n, backends: [a]}\n",
+            "duplicate model name(s) or alias(es) ['n']",
+        ),
+        (
+            "backends:\n  - {name: a, kind: reference}\nmodels:\n  - {name: m, backends: [a], aliases: ['']}\n",
+            "aliases[0]",
+        ),
         ("- just\n- a list\n", "top level must be a mapping"),
         ("server: {port: [\n", "not valid YAML"),
     ],

@@ -229,7 +229,7 @@ class EngineBackend:
                 if delta is not None:
                     yield delta
                 if finish is not None:
-                    yield Finish(index, finish, choice.end_logprobs)
+                    yield Finish(index, finish, choice.end_logprobs, choice.matched_stop)
             if score_only:
                 yield Usage(len(prompt_ids), 0, None)
                 return
@@ -332,12 +332,15 @@ def _prompt_tokens(table: TokenTable, prompt_ids: Sequence[int], values: Sequenc
 
 
 def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len: int) -> int:
-    """The output bound sent to the engine: the client's, or the rest of the context (never DeepInfer's 16).
+    """The output bound sent to the engine: the client's, or the rest of the context (never DeepInfer's 16); with
+    ``fit_context``, the client's bound cut to the rest of the context.
 
     0 (score the prompt only) needs room for the one token an engine always generates.
     """
     room = max_model_len - prompt_len
     asked = request.sampling.max_tokens
+    if asked is not None and request.sampling.fit_context and room >= 1:
+        return min(asked, room)
     if asked is None:
         if room < 1:
             raise ContextLengthExceededError(
@@ -392,6 +395,11 @@ class _Choice:
         self.tokens = 0
         self.reasoning_tokens = 0
         self.end_logprobs: list[TokenLogprob] | None = None  # the EOS that ended the choice, counted as output
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the choice, if one did."""
+        return self._stop.matched if self._stop is not None else None
 
     def consume(self, outputs: Sequence[EngineOutput]) -> tuple[Delta | None, str | None]:
         """Returns the delta to emit (if any) and the OpenAI finish reason once the choice is done."""

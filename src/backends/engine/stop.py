@@ -10,11 +10,13 @@ class StopMatcher:
     client never sees any part of the stop text.
     """
 
-    __slots__ = ("_held", "_stops")
+    __slots__ = ("_held", "_stops", "matched")
 
     def __init__(self, stops: list[str]) -> None:
         self._stops = [s for s in stops if s]
         self._held = ""
+        self.matched: str | None = None
+        """The stop string that matched, once one did."""
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string matched). After a match, stop feeding."""
@@ -30,6 +32,7 @@ class StopMatcher:
                 end = at + len(stop)
                 if first == -1 or end < first_end or (end == first_end and at < first):
                     first, first_end = at, end
+                    self.matched = stop
         if first != -1:
             self._held = ""
             return buf[:first], True

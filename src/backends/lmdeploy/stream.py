@@ -315,7 +315,7 @@ class ChoiceStream:
         if reason is not None:
             self.finished = True
             self.finish_reason = reason
-            events.append(Finish(self.index, reason))
+            events.append(Finish(self.index, reason, matched_stop=self.stop.matched if self.stop is not None else None))
         return events
 
 

@@ -57,10 +57,13 @@ def output_bound(request: GenerateRequest, max_model_len: int | None) -> int:
 
     LMDeploy's own default is the rest of the session; the gateway sends the client's bound or, without one, the
     node's session length (the prompt takes at least one token, so LMDeploy still stops at the session's end).
+    With ``fit_context`` the client's bound is cut to the session length the same way.
     """
     asked = request.sampling.max_tokens
     if asked is None:
         return max_model_len or DEFAULT_OUTPUT_BOUND
+    if max_model_len is not None and request.sampling.fit_context:
+        return min(asked, max_model_len)  # LMDeploy ends the output where the session ends ("length")
     if max_model_len is not None and asked >= max_model_len:
         raise ContextLengthExceededError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested {asked} "

@@ -14,6 +14,7 @@ import orjson
 
 from backends.interface import Delta, Finish, PromptEcho, PromptToken, TokenLogprob, ToolCallDelta, Usage
 from gateway.errors import APIError, error_payload
+from gateway.sse import PING_FRAME
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
@@ -67,6 +68,7 @@ class SSEFormat:
     """How chat and completion streams end: a failure is one ``{"error": ...}`` frame, then ``[DONE]``."""
 
     done_frame: bytes | None = DONE_FRAME
+    ping_frame = PING_FRAME
 
     def error_frame(self, error: APIError) -> bytes:
         return sse_frame(error_payload(error.message, error.type, error.param, error.code))

@@ -21,6 +21,7 @@ from backends.interface import Delta, Finish, PromptEcho, ToolCallDelta, Usage
 from gateway.errors import APIError
 from gateway.openai.responses import chat_logprobs
 from gateway.openai.responses_api import CreateResponseRequest, new_id
+from gateway.sse import PING_FRAME
 
 Frames = list[bytes] | None  # where stream events go; None when building a whole response
 
@@ -35,8 +36,9 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-def response_envelope(body: CreateResponseRequest, response_id: str, created_at: int) -> dict[str, Any]:
-    """The ``response`` object before any output: the request's settings as the response reports them."""
+def response_envelope(body: CreateResponseRequest, model: str, response_id: str, created_at: int) -> dict[str, Any]:
+    """The ``response`` object before any output: the request's settings as the response reports them, with the
+    served model's name (``body.model`` may be an alias of it)."""
     text_format = body.text.format.echo() if body.text is not None and body.text.format is not None else None
     reasoning = body.reasoning
     return {
@@ -50,7 +52,7 @@ def response_envelope(body: CreateResponseRequest, response_id: str, created_at:
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
         "max_tool_calls": None,
-        "model": body.model,
+        "model": model,
         "output": [],
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
@@ -89,6 +91,7 @@ class ResponsesFormat:
     """
 
     done_frame: bytes | None = None  # a Responses stream ends with response.completed, not [DONE]
+    ping_frame = PING_FRAME
 
     def __init__(
         self,

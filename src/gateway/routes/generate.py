@@ -109,11 +109,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     problem = body.tool_choice_problem()
     if problem is not None:
         raise APIError(400, problem, param="tool_choice")
+    model = state.router.served_name(body.model)
     limit = body.output_limit()
     admission = await _admit_client(request, state, limit * body.n if limit is not None else None)
     generate = GenerateRequest(
         request_id=request.state.request_id,
-        model=body.model,
+        model=model,
         messages=[m.model_dump(exclude_none=True) for m in body.messages],
         sampling=body.sampling_options(
             max_tokens=body.output_limit(), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0
@@ -128,15 +129,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         reasoning_effort=body.reasoning_effort,
         chat_template_kwargs=body.chat_template_kwargs,
     )
-    events = state.router.route(body.model, generate, request.headers, lambda b: b.generate(generate))
+    events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
     return await _respond(
         request,
         state,
         events,
         lambda fingerprint: ChatFormat(
-            f"chatcmpl-{os.urandom(16).hex()}", int(time.time()), body.model, fingerprint, body.n
+            f"chatcmpl-{os.urandom(16).hex()}", int(time.time()), model, fingerprint, body.n
         ),
-        model=body.model,
+        model=model,
         admission=admission,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -151,6 +152,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = body.prompts()
     if len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts are allowed in one request.", param="prompt")
+    model = state.router.served_name(body.model)
     reserve = body.max_tokens * len(prompts) * body.n if body.max_tokens is not None else None
     admission = await _admit_client(request, state, reserve)
     sampling = body.sampling_options(
@@ -159,7 +161,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     requests = [
         GenerateRequest(
             request_id=request.state.request_id,
-            model=body.model,
+            model=model,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=prompt if isinstance(prompt, list) else None,
             sampling=sampling,
@@ -175,16 +177,16 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         streams = [backend.generate(r) for r in requests]
         return streams[0] if len(streams) == 1 else merge_prompts(streams, body.n)
 
-    events = state.router.route(body.model, requests[0], request.headers, open_events)
+    events = state.router.route(model, requests[0], request.headers, open_events)
     choices = len(prompts) * body.n
     return await _respond(
         request,
         state,
         events,
         lambda fingerprint: CompletionFormat(
-            f"cmpl-{os.urandom(16).hex()}", int(time.time()), body.model, fingerprint, choices
+            f"cmpl-{os.urandom(16).hex()}", int(time.time()), model, fingerprint, choices
         ),
-        model=body.model,
+        model=model,
         admission=admission,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),

@@ -82,10 +82,11 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
         raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="input")
     if body.tools and len(body.tools) > server.max_tools:
         raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
+    model = state.router.served_name(body.model)
     admission = await _admit_client(request, state, body.max_output_tokens)
     generate = GenerateRequest(
         request_id=request.state.request_id,
-        model=body.model,
+        model=model,
         messages=messages,
         sampling=body.sampling_options(),
         user=body.user,
@@ -103,18 +104,18 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
         _stored(state).save(record)
 
     fmt = ResponsesFormat(
-        response_envelope(body, response_id, int(created_at)),
+        response_envelope(body, model, response_id, int(created_at)),
         want_logprobs=body.wants_logprobs(),
         on_complete=store if body.stores() else None,
     )
     try:
-        events = state.router.route(body.model, generate, request.headers, lambda b: b.generate(generate))
+        events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
         return await _respond(
             request,
             state,
             events,
             lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
-            model=body.model,
+            model=model,
             admission=admission,
             stream=body.stream,
             include_usage=True,  # the usage ends a Responses stream: it carries response.completed

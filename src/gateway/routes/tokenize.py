@@ -73,6 +73,7 @@ def _backend(state: GatewayState, model: str | None) -> tuple[str, TokenizingBac
     """The model's first backend that can tokenize; 404 for an unknown model, 400 if none of its backends can."""
     names = state.router.model_names
     name = model if model is not None else (names[0] if names else "")
+    name = state.router.aliases.get(name, name)
     if name not in names:
         raise ModelNotFoundError(f"The model '{name}' does not exist or you do not have access to it.")
     backends = state.router.backends_of(name)

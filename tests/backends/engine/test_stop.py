@@ -9,23 +9,29 @@ from backends.engine.stop import StopMatcher
 
 
 def run(chunks: list[str], stops: list[str]) -> tuple[str, bool]:
+    return run_matching(chunks, stops)[:2]  # type: ignore[return-value]
+
+
+def run_matching(chunks: list[str], stops: list[str]) -> tuple[str, bool, str | None]:
+    """(text let through, whether a stop matched, the stop string that matched)."""
     matcher = StopMatcher(stops)
     out = []
     for chunk in chunks:
         text, matched = matcher.push(chunk)
         out.append(text)
         if matched:
-            return "".join(out), True
+            return "".join(out), True, matcher.matched
     out.append(matcher.flush())
-    return "".join(out), False
+    return "".join(out), False, matcher.matched
 
 
-def expected(text: str, stops: list[str]) -> tuple[str, bool]:
-    """The text before the stop string that is completed first (earliest end, then earliest start)."""
-    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+def expected(text: str, stops: list[str]) -> tuple[str, bool, str | None]:
+    """The text before the stop string that is completed first (earliest end, then earliest start), and that
+    stop string."""
+    hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
     if not hits:
-        return text, False
-    return text[: min(hits)[1]], True
+        return text, False, None
+    return text[: min(hits)[1]], True, min(hits)[2]
 
 
 def test_stop_string_split_across_chunks_is_removed_and_ends_the_stream() -> None:
@@ -40,7 +46,7 @@ def test_partial_match_is_held_back_then_released_when_it_does_not_complete() ->
 
 
 def test_earliest_of_several_stop_strings_wins() -> None:
-    assert run(["x", "yz-ab-cd"], ["cd", "ab"]) == ("xyz-", True)
+    assert run_matching(["x", "yz-ab-cd"], ["cd", "ab"]) == ("xyz-", True, "ab")
 
 
 def test_the_stop_string_completed_first_wins_whatever_the_split() -> None:
@@ -67,4 +73,4 @@ alphabet = st.sampled_from("ab\u00e9 \n\U0001f600")
 def test_any_split_gives_the_text_before_the_first_stop(text: str, stops: list[str], cuts: list[int]) -> None:
     points = sorted({min(c, len(text)) for c in cuts})
     chunks = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
-    assert run(chunks, stops) == expected(text, stops)
+    assert run_matching(chunks, stops) == expected(text, stops)

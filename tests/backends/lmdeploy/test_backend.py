@@ -50,7 +50,7 @@ async def test_chat_streams_text_deltas_then_finish_then_exact_usage(node: Harne
     deltas = [e for e in events if isinstance(e, Delta)]
     # one delta per network read of the node's stream (test_bursts.py), never an empty one
     assert deltas and all(d.text for d in deltas)
-    assert isinstance(events[-2], Finish) and events[-2].reason == "stop"
+    assert isinstance(events[-2], Finish) and events[-2].reason == "stop" and events[-2].matched_stop is None
     usage = events[-1]
     assert isinstance(usage, Usage)
     assert usage.completion_tokens == 8  # the tokens of the echo; the EOS is not counted (as LMDeploy counts)
@@ -83,7 +83,7 @@ async def test_stop_string_longer_than_one_token_is_enforced_and_the_upstream_re
     async with running_backend([node.url]) as backend:
         events = await collect(backend, request)
     assert text_of(events) == "The quick brown fox jumps over the "
-    assert [e.reason for e in events if isinstance(e, Finish)] == ["stop"]
+    assert [(e.reason, e.matched_stop) for e in events if isinstance(e, Finish)] == [("stop", "lazy dog")]
     usage = events[-1]
     assert isinstance(usage, Usage), "usage stays available when the gateway ends the stream"
     assert usage.prompt_tokens == node.events(event="start", tag="stop-multi")[0]["prompt_tokens"]

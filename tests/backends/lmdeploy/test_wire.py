@@ -78,6 +78,15 @@ def test_max_tokens_beyond_the_session_length_is_a_context_length_error() -> Non
         plan_request(request, 256)
 
 
+def test_max_tokens_that_only_bounds_the_output_is_cut_to_the_session_length() -> None:
+    """``fit_context`` (the Messages API): LMDeploy ends the output at the session's end with ``length``."""
+    fitted = SamplingOptions(max_tokens=32000, fit_context=True)
+    request = GenerateRequest(request_id="r", model="m", messages=[{"role": "user", "content": "x"}], sampling=fitted)
+    assert plan_request(request, 256).body["max_tokens"] == 256
+    fitted.max_tokens = 100
+    assert plan_request(request, 256).body["max_tokens"] == 100
+
+
 @pytest.mark.parametrize(
     ("status", "body", "error", "param"),
     [

@@ -1,0 +1,132 @@
+"""``/v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's Messages API, served through the chat machinery.
+
+A request becomes a chat ``GenerateRequest`` (``gateway.anthropic.translate``) and is routed, admitted, limited by
+its key's budgets, observed (metrics by model and backend) and aborted on disconnect exactly as a chat completion
+is; its events come back as Anthropic content blocks and stream events (``gateway.anthropic.output``). Errors are
+Anthropic-shaped on these paths (``gateway.anthropic.errors``). ``anthropic-version`` and ``anthropic-beta`` are
+accepted; betas change nothing but the ``thinking.budget_tokens`` rule (docs/anthropic.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from backends.errors import ContextLengthExceededError, InvalidRequestError, UpstreamError
+from backends.interface import Backend, GenerateRequest, SamplingOptions, TokenizingBackend, Usage
+from gateway.anthropic.output import MessagesFormat, new_id
+from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
+from gateway.anthropic.signatures import ThinkingSigner
+from gateway.anthropic.translate import generate_request, messages_terms
+from gateway.bodies import OffloadedJSONRoute
+from gateway.errors import APIError
+from gateway.routes.generate import _admit_client, _respond
+from gateway.routes.tokenize import _counted
+from gateway.state import GatewayState, gateway_state
+
+router = APIRouter(tags=["messages"], route_class=OffloadedJSONRoute)  # Claude Code sends 50 KB and more
+
+INTERLEAVED_THINKING_BETA = "interleaved-thinking-"
+TOO_LONG = "prompt is too long: "
+"""Anthropic's words for a prompt that does not fit, which clients such as Claude Code look for."""
+
+
+def _signer(state: GatewayState) -> ThinkingSigner:
+    assert state.thinking_signer is not None
+    return state.thinking_signer
+
+
+def _check_size(body: CountTokensRequest, state: GatewayState) -> None:
+    server = state.config.server
+    if len(body.messages) > server.max_messages:
+        raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="messages")
+    if body.tools and len(body.tools) > server.max_tools:
+        raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
+
+
+def _in_messages_terms(exc: InvalidRequestError) -> InvalidRequestError:
+    """A backend's refusal, worded for a Messages client."""
+    exc.message = messages_terms(exc.message)
+    if isinstance(exc, ContextLengthExceededError) and not exc.message.startswith(TOO_LONG):
+        exc.message = TOO_LONG + exc.message
+    return exc
+
+
+@router.post("/v1/messages", response_model=None)
+async def create_message(body: MessagesRequest, request: Request) -> Response:
+    state = gateway_state(request)
+    _check_size(body, state)
+    betas = request.headers.get("anthropic-beta", "")
+    problem = body.budget_problem(interleaved=INTERLEAVED_THINKING_BETA in betas)
+    if problem is not None:
+        raise APIError(400, problem, param="thinking.budget_tokens")
+    model = state.router.served_name(body.model)
+    generate = generate_request(
+        body,
+        request_id=request.state.request_id,
+        model=model,
+        signer=_signer(state),
+        max_buffered_tokens=state.config.server.stream_buffer_tokens,
+    )
+    admission = await _admit_client(request, state, body.max_tokens)
+    fmt = MessagesFormat(
+        new_id("msg"),
+        model,
+        max_tokens=body.max_tokens,
+        signer=_signer(state),
+        omit_thinking=body.reasoning_display_omitted(),
+    )
+    try:
+        events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
+        return await _respond(
+            request,
+            state,
+            events,
+            lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
+            model=model,
+            admission=admission,
+            stream=body.stream,
+            include_usage=True,  # the usage ends a Messages stream: it carries message_delta
+            want_logprobs=False,
+        )
+    except InvalidRequestError as exc:
+        raise _in_messages_terms(exc) from None
+
+
+@router.post("/v1/messages/count_tokens", response_model=None)
+async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
+    """The ``input_tokens`` ``/v1/messages`` reports for the same request: the model's first backend encodes the
+    prompt (or, when it does not expose its tokenizer, as LMDeploy, generates one token and reports its usage)."""
+    state = gateway_state(request)
+    with _counted(state, "count_tokens"):
+        _check_size(body, state)
+        model = state.router.served_name(body.model)
+        generate = generate_request(
+            body, request_id=request.state.request_id, model=model, signer=_signer(state), max_buffered_tokens=None
+        )
+        backend = state.router.backends_of(model)[0]
+        try:
+            if isinstance(backend, TokenizingBackend):
+                count = len(await backend.tokenize(generate))
+            else:
+                count = await _prompt_tokens_by_generating(backend, generate)
+        except InvalidRequestError as exc:
+            raise _in_messages_terms(exc) from None
+    body_out: dict[str, Any] = {"input_tokens": count}
+    return Response(orjson.dumps(body_out), media_type="application/json")
+
+
+async def _prompt_tokens_by_generating(backend: Backend, request: GenerateRequest) -> int:
+    """The prompt tokens a backend reports for the request, from a generation of one token (closed at once)."""
+    request.sampling = SamplingOptions(max_tokens=1, fit_context=True)
+    events = backend.generate(request)
+    try:
+        async for event in events:
+            if isinstance(event, Usage):
+                return event.prompt_tokens
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    raise UpstreamError(f"backend {backend.name!r} reported no usage for the prompt")
