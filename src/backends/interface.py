@@ -5,7 +5,7 @@ Events are plain slotted records: the hot path builds one per engine step per ch
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -40,6 +40,38 @@ class SamplingOptions:
 
 SAMPLING_DEFAULTS = SamplingOptions()
 
+TraceValue = str | bool | int | float
+
+
+class TraceStage(NamedTuple):
+    """A finished piece of one backend call (preparing the prompt, waiting for a slot), for the call's trace.
+
+    Times are ``time.time_ns()`` readings, so a stage can be measured on any thread and reported afterwards.
+    """
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, TraceValue] | None = None
+    error: str | None = None  # why the stage failed, when it did
+
+
+class CallTrace(Protocol):
+    """The gateway's trace of one backend call, on the requests of traced calls only (``GenerateRequest.trace``).
+
+    Backends tell it where the call's time went without knowing the tracing library; nothing here is per token.
+    """
+
+    def headers(self) -> dict[str, str]:
+        """W3C trace-context headers (``traceparent``, ``tracestate``) for an HTTP request the call sends upstream."""
+        ...
+
+    def record(self, stage: TraceStage, parts: Sequence[TraceStage] = ()) -> None:
+        """A finished stage of the call, with the parts it consisted of."""
+
+    def annotate(self, name: str, value: TraceValue) -> None:
+        """An attribute of the call, e.g. the data-parallel rank that served it."""
+
 
 @dataclass(slots=True)
 class GenerateRequest:
@@ -66,6 +98,7 @@ class GenerateRequest:
     thinking: bool | None = None  # None: the backend's documented default
     reasoning_effort: str | int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    trace: CallTrace | None = None  # set by the gateway on the requests of a traced backend call
 
     @property
     def kind(self) -> PromptKind:

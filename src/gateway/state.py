@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
@@ -14,6 +15,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.response_store import StoredResponses
 from gateway.router import ModelRouter
 from gateway.state_store import SharedStateStore
+
+if TYPE_CHECKING:
+    from gateway.tracing import Tracing
 
 
 @dataclass
@@ -29,6 +33,8 @@ class GatewayState:
     """Stored Responses API responses (``server.responses_store``)."""
     store: SharedStateStore | None = None
     """The shared state store (``server.state_store``), if one is configured."""
+    tracing: Tracing | None = None
+    """OpenTelemetry traces (``server.tracing``), when they are on."""
     draining: bool = False
     """Set on SIGTERM: /ready turns 503 and new generation requests are refused while in-flight ones finish."""
 

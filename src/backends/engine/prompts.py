@@ -7,12 +7,15 @@ request's preparation therefore runs as one job on a small thread pool (``prepar
 config). Tokenizing uses ``encode_batch_fast``: it releases the GIL while the Rust tokenizer works (``encode``
 keeps it for the whole 25 s of a 7 MiB prompt), and its encodings carry no offsets, so freeing one (which holds
 the GIL) takes 30 ms instead of a second. Grammars are compiled by engines that offer ``StructuredOutputCompiler``
-and handed to ``add_request`` ready.
+and handed to ``add_request`` ready. For a traced request (``GenerateRequest.trace``) the job's parts are timed on
+the pool thread and reported to the trace from the event loop: ``engine.prepare_prompt`` (submission to result,
+the wait for a pool thread included) with ``engine.render_chat``, ``engine.tokenize`` and ``engine.compile_grammar``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
@@ -22,9 +25,9 @@ from tokenizers import Tokenizer
 
 from backends.engine.detokenizer import TokenTable
 from backends.engine.protocol import Engine, StructuredOutputCompiler
-from backends.errors import ContextLengthExceededError, InvalidRequestError
+from backends.errors import BackendError, ContextLengthExceededError, InvalidRequestError
 from backends.heap import release_free_heap
-from backends.interface import GenerateRequest, ToolCallDelta
+from backends.interface import GenerateRequest, ToolCallDelta, TraceStage
 
 DEFAULT_PREPARE_THREADS = 2
 TRIM_AFTER_CHARS = 1 << 20
@@ -106,11 +109,30 @@ class PromptPreparer:
         executor = self._executor
         engine = self._engine
         assert executor is not None and engine is not None, "PromptPreparer.start() was not called"
-        return await asyncio.get_running_loop().run_in_executor(executor, self._prepare, request, engine)
+        loop = asyncio.get_running_loop()
+        trace = request.trace
+        if trace is None:
+            return await loop.run_in_executor(executor, self._prepare, request, engine, None)
+        parts: list[TraceStage] = []
+        started = time.time_ns()
+        error: str | None = None
+        prompt: PreparedPrompt | None = None
+        try:
+            prompt = await loop.run_in_executor(executor, self._prepare, request, engine, parts)
+            return prompt
+        except BackendError as exc:
+            error = exc.message
+            raise
+        except BaseException as exc:
+            error = type(exc).__name__
+            raise
+        finally:
+            tokens = {"gateway.prompt.tokens": len(prompt.ids)} if prompt is not None else None
+            trace.record(TraceStage("engine.prepare_prompt", started, time.time_ns(), tokens, error), parts)
 
     # ---- pool threads ----------------------------------------------------------------------------------------
 
-    def _prepare(self, request: GenerateRequest, engine: Engine) -> PreparedPrompt:
+    def _prepare(self, request: GenerateRequest, engine: Engine, parts: list[TraceStage] | None) -> PreparedPrompt:
         if request.prompt_token_ids is not None:
             if len(request.prompt_token_ids) > engine.max_model_len:
                 raise _too_long(engine.max_model_len, f"has {len(request.prompt_token_ids)} tokens", "prompt")
@@ -124,17 +146,24 @@ class PromptPreparer:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
             return PreparedPrompt(np.ascontiguousarray(ids, dtype=np.int32), None, None)
         chat: ChatPrompt | None = None
+        mark = time.time_ns() if parts is not None else 0
         if request.messages is not None:
             chat = self._template.render(request, engine.tokenizer)
             text = chat.text
             add_special_tokens = False  # the chat template writes BOS itself
+            if parts is not None:
+                mark = _part(parts, "engine.render_chat", mark)
         else:
             text = request.prompt or ""
             add_special_tokens = True
         ids = self._tokenize(text, add_special_tokens, engine, param="messages" if chat is not None else "prompt")
+        if parts is not None:
+            mark = _part(parts, "engine.tokenize", mark, {"gateway.prompt.chars": len(text)})
         so_args: Mapping[str, Any] | None = chat.so_args if chat is not None else None
         if so_args is not None and isinstance(engine, StructuredOutputCompiler):
             so_args = engine.compile_so_args(so_args)
+            if parts is not None:
+                _part(parts, "engine.compile_grammar", mark)
         return PreparedPrompt(ids, chat, so_args)
 
     def _tokenize(self, text: str, add_special_tokens: bool, engine: Engine, *, param: str) -> np.ndarray:
@@ -155,6 +184,13 @@ class PromptPreparer:
             if len(text) >= TRIM_AFTER_CHARS:
                 encoding = None
                 release_free_heap()
+
+
+def _part(parts: list[TraceStage], name: str, started: int, attributes: dict[str, int] | None = None) -> int:
+    """Records the part of a traced preparation that ran from ``started`` until now; returns now."""
+    now = time.time_ns()
+    parts.append(TraceStage(name, started, now, attributes))
+    return now
 
 
 def _too_long(limit: int, prompt: str, param: str) -> ContextLengthExceededError:
