@@ -66,8 +66,8 @@ class CallTrace(Protocol):
         """W3C trace-context headers (``traceparent``, ``tracestate``) for an HTTP request the call sends upstream."""
         ...
 
-    def record(self, stage: TraceStage, parts: Sequence[TraceStage] = ()) -> None:
-        """A finished stage of the call, with the parts it consisted of."""
+    def record(self, stage: TraceStage) -> None:
+        """A finished stage of the call (a child span of the call's)."""
 
     def annotate(self, name: str, value: TraceValue) -> None:
         """An attribute of the call, e.g. the data-parallel rank that served it."""

@@ -182,7 +182,7 @@ class ModelRouter:
             pair = routes.shadow.mirror(target.name, request, factory)
         if self.tracing is not None:
             shadow = routes.shadow.name if pair is not None and routes.shadow is not None else None
-            self.tracing.record_route(started, model, target.name, via, shadow, len(routes.candidates))
+            self.tracing.record_route(started, model, target.name, via, shadow)
         return RoutedStream(routes, target, via, factory, pair, request)
 
     def model_routes(self, model: str) -> ModelRoutes:

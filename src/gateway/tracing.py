@@ -14,8 +14,8 @@ A request's spans (never one per token):
   ``gen_ai.latency.time_per_output_token``, finish reasons, and what the backend reported through
   ``CallTrace``: the data-parallel rank, the LMDeploy node;
 - under the call, the stages the backend reported: ``gateway.admission`` (the wait for a slot of the backend's
-  gate) and ``engine.prepare_prompt`` with its parts (``engine.render_chat``, ``engine.tokenize``,
-  ``engine.compile_grammar``), measured where they ran and reported afterwards.
+  gate) and ``engine.prepare_prompt`` (its attributes split it into the wait for a pool thread, rendering,
+  tokenizing and compiling the grammar), measured where they ran and reported afterwards.
 
 Attribute names are the GenAI and HTTP semantic conventions' where they exist (``gen_ai.request.model``,
 ``gen_ai.usage.input_tokens``, ``http.response.status_code``...); latencies, which the conventions have only as
@@ -109,7 +109,6 @@ class Tracing:
         attributes: dict[str, TraceValue] = {
             "http.request.method": method,
             "url.path": scope["path"],
-            "url.scheme": scope.get("scheme", "http"),
             "gateway.request_id": request_id,
         }
         client = scope.get("client")
@@ -120,9 +119,7 @@ class Tracing:
 
     # ---- routing and backend calls ----------------------------------------------------------------------------
 
-    def record_route(
-        self, started_ns: int, model: str, target: str, via: str, shadow: str | None, candidates: int
-    ) -> None:
+    def record_route(self, started_ns: int, model: str, target: str, via: str, shadow: str | None) -> None:
         """The routing decision for the current request (``started_ns``: when it began)."""
         if not get_current_span().is_recording():
             return
@@ -130,7 +127,6 @@ class Tracing:
             "gen_ai.request.model": model,
             "gateway.route.target": target,
             "gateway.route.via": via,
-            "gateway.route.candidates": candidates,
         }
         if shadow is not None:
             attributes["gateway.route.shadow"] = shadow
@@ -253,19 +249,13 @@ class BackendCall:
         self._tracing.propagator.inject(carrier, context=set_span_in_context(self._span))
         return carrier
 
-    def record(self, stage: TraceStage, parts: Sequence[TraceStage] = ()) -> None:
-        span = self._stage_span(stage, self._span)
-        for part in parts:
-            self._stage_span(part, span).end(end_time=part.end_ns)
-        span.end(end_time=stage.end_ns)
-
-    def _stage_span(self, stage: TraceStage, parent: Span) -> Span:
+    def record(self, stage: TraceStage) -> None:
         span = self._tracing.tracer.start_span(
-            stage.name, context=set_span_in_context(parent), start_time=stage.start_ns, attributes=stage.attributes
+            stage.name, context=set_span_in_context(self._span), start_time=stage.start_ns, attributes=stage.attributes
         )
         if stage.error is not None:
             span.set_status(Status(StatusCode.ERROR, stage.error))
-        return span
+        span.end(end_time=stage.end_ns)
 
     def annotate(self, name: str, value: TraceValue) -> None:
         self._span.set_attribute(name, value)

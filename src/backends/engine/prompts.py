@@ -8,8 +8,9 @@ config). Tokenizing uses ``encode_batch_fast``: it releases the GIL while the Ru
 keeps it for the whole 25 s of a 7 MiB prompt), and its encodings carry no offsets, so freeing one (which holds
 the GIL) takes 30 ms instead of a second. Grammars are compiled by engines that offer ``StructuredOutputCompiler``
 and handed to ``add_request`` ready. For a traced request (``GenerateRequest.trace``) the job's parts are timed on
-the pool thread and reported to the trace from the event loop: ``engine.prepare_prompt`` (submission to result,
-the wait for a pool thread included) with ``engine.render_chat``, ``engine.tokenize`` and ``engine.compile_grammar``.
+the pool thread and reported to the trace from the event loop, as one stage ``engine.prepare_prompt`` (submission
+to result) whose attributes split it: the wait for a pool thread, rendering, tokenizing, compiling (one span
+rather than four: the SDK's cost is per span).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from backends.engine.detokenizer import TokenTable
 from backends.engine.protocol import Engine, StructuredOutputCompiler
 from backends.errors import BackendError, ContextLengthExceededError, InvalidRequestError
 from backends.heap import release_free_heap
-from backends.interface import GenerateRequest, ToolCallDelta, TraceStage
+from backends.interface import GenerateRequest, ToolCallDelta, TraceStage, TraceValue
 
 DEFAULT_PREPARE_THREADS = 2
 TRIM_AFTER_CHARS = 1 << 20
@@ -112,13 +113,13 @@ class PromptPreparer:
         loop = asyncio.get_running_loop()
         trace = request.trace
         if trace is None:
-            return await loop.run_in_executor(executor, self._prepare, request, engine, None)
-        parts: list[TraceStage] = []
+            return await loop.run_in_executor(executor, self._prepare, request, engine, None, 0)
+        parts: dict[str, TraceValue] = {}
         started = time.time_ns()
         error: str | None = None
-        prompt: PreparedPrompt | None = None
         try:
-            prompt = await loop.run_in_executor(executor, self._prepare, request, engine, parts)
+            prompt = await loop.run_in_executor(executor, self._prepare, request, engine, parts, started)
+            parts["gateway.prompt.tokens"] = len(prompt.ids)
             return prompt
         except BackendError as exc:
             error = exc.message
@@ -127,12 +128,15 @@ class PromptPreparer:
             error = type(exc).__name__
             raise
         finally:
-            tokens = {"gateway.prompt.tokens": len(prompt.ids)} if prompt is not None else None
-            trace.record(TraceStage("engine.prepare_prompt", started, time.time_ns(), tokens, error), parts)
+            trace.record(TraceStage("engine.prepare_prompt", started, time.time_ns(), parts, error))
 
     # ---- pool threads ----------------------------------------------------------------------------------------
 
-    def _prepare(self, request: GenerateRequest, engine: Engine, parts: list[TraceStage] | None) -> PreparedPrompt:
+    def _prepare(
+        self, request: GenerateRequest, engine: Engine, parts: dict[str, TraceValue] | None, submitted: int
+    ) -> PreparedPrompt:
+        """The preparation job; a traced one (``parts``) also notes how long each part took, from ``submitted``
+        (when the event loop handed it to the pool) on."""
         if request.prompt_token_ids is not None:
             if len(request.prompt_token_ids) > engine.max_model_len:
                 raise _too_long(engine.max_model_len, f"has {len(request.prompt_token_ids)} tokens", "prompt")
@@ -146,24 +150,26 @@ class PromptPreparer:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
             return PreparedPrompt(np.ascontiguousarray(ids, dtype=np.int32), None, None)
         chat: ChatPrompt | None = None
-        mark = time.time_ns() if parts is not None else 0
+        mark = _part(parts, "gateway.prompt.queue_s", submitted) if parts is not None else 0  # the wait for a thread
         if request.messages is not None:
             chat = self._template.render(request, engine.tokenizer)
             text = chat.text
             add_special_tokens = False  # the chat template writes BOS itself
             if parts is not None:
-                mark = _part(parts, "engine.render_chat", mark)
+                mark = _part(parts, "gateway.prompt.render_s", mark)
         else:
             text = request.prompt or ""
             add_special_tokens = True
+        if parts is not None:
+            parts["gateway.prompt.chars"] = len(text)
         ids = self._tokenize(text, add_special_tokens, engine, param="messages" if chat is not None else "prompt")
         if parts is not None:
-            mark = _part(parts, "engine.tokenize", mark, {"gateway.prompt.chars": len(text)})
+            mark = _part(parts, "gateway.prompt.tokenize_s", mark)
         so_args: Mapping[str, Any] | None = chat.so_args if chat is not None else None
         if so_args is not None and isinstance(engine, StructuredOutputCompiler):
             so_args = engine.compile_so_args(so_args)
             if parts is not None:
-                _part(parts, "engine.compile_grammar", mark)
+                _part(parts, "gateway.prompt.compile_s", mark)
         return PreparedPrompt(ids, chat, so_args)
 
     def _tokenize(self, text: str, add_special_tokens: bool, engine: Engine, *, param: str) -> np.ndarray:
@@ -186,10 +192,10 @@ class PromptPreparer:
                 release_free_heap()
 
 
-def _part(parts: list[TraceStage], name: str, started: int, attributes: dict[str, int] | None = None) -> int:
-    """Records the part of a traced preparation that ran from ``started`` until now; returns now."""
+def _part(parts: dict[str, TraceValue], name: str, started: int) -> int:
+    """Records how long the part of a traced preparation that began at ``started`` took, in seconds; returns now."""
     now = time.time_ns()
-    parts.append(TraceStage(name, started, now, attributes))
+    parts[name] = (now - started) / 1e9
     return now
 
 
