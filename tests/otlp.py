@@ -125,3 +125,9 @@ class OTLPReceiver:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)
+
+    def __enter__(self) -> OTLPReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -5,7 +5,9 @@ Events are plain slotted records: the hot path builds one per engine step per ch
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -71,6 +73,27 @@ class CallTrace(Protocol):
 
     def annotate(self, name: str, value: TraceValue) -> None:
         """An attribute of the call, e.g. the data-parallel rank that served it."""
+
+
+@contextmanager
+def traced_stage(trace: CallTrace, name: str, attributes: dict[str, TraceValue]) -> Iterator[int]:
+    """Records the ``with`` block as the stage ``name`` of the call's trace (it yields the start, a
+    ``time.time_ns()``). ``attributes`` may be filled in within the block; a failure is named by the backend
+    error's message, or the exception's type (a cancellation)."""
+    from backends.errors import BackendError
+
+    started = time.time_ns()
+    error: str | None = None
+    try:
+        yield started
+    except BackendError as exc:
+        error = exc.message
+        raise
+    except BaseException as exc:
+        error = type(exc).__name__
+        raise
+    finally:
+        trace.record(TraceStage(name, started, time.time_ns(), attributes, error))
 
 
 @dataclass(slots=True)

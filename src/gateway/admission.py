@@ -6,8 +6,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from backends.errors import BackendError
-from backends.interface import Backend, CallTrace, Event, GenerateRequest, TraceStage, TraceValue
+from backends.interface import Backend, CallTrace, Event, GenerateRequest, TraceValue, traced_stage
 from gateway.limits import AdmissionGate
 
 
@@ -84,20 +83,9 @@ async def _acquire_traced(gate: AdmissionGate, trace: CallTrace) -> None:
         "gateway.admission.in_flight": gate.in_flight,  # at arrival
         "gateway.admission.queued": gate.queued,
     }
-    started = time.time_ns()
-    error: str | None = None
-    try:
+    with traced_stage(trace, "gateway.admission", attributes) as started:
         await gate.acquire()
-    except BackendError as exc:
-        error = exc.message
-        raise
-    except BaseException as exc:
-        error = type(exc).__name__
-        raise
-    finally:
-        ended = time.time_ns()
-        attributes["gen_ai.latency.time_in_queue"] = (ended - started) / 1e9
-        trace.record(TraceStage("gateway.admission", started, ended, attributes, error))
+        attributes["gen_ai.latency.time_in_queue"] = (time.time_ns() - started) / 1e9
 
 
 def admitted(backend: Backend, config: object) -> Backend:

@@ -45,6 +45,16 @@ def caller() -> tuple[str, str, str]:
     return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
 
 
+def chat(base_url: str, model: str, headers: dict[str, str], content: str = "hi", **body: Any) -> httpx.Response:
+    """A chat completion with one user message (two tokens unless ``body`` says otherwise)."""
+    return httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2, **body},
+        headers=headers,
+        timeout=60,
+    )
+
+
 def by_name(spans: list[ReceivedSpan]) -> dict[str, list[ReceivedSpan]]:
     found: dict[str, list[ReceivedSpan]] = {}
     for span in spans:
@@ -64,9 +74,8 @@ def children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> list[ReceivedSp
 
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[OTLPReceiver]:
-    running = OTLPReceiver()
-    yield running
-    running.close()
+    with OTLPReceiver() as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -208,11 +217,8 @@ def test_a_stream_records_its_first_token_and_sums_up_its_decode_on_the_backend_
 
 def test_a_caller_that_sampled_its_trace_out_gets_no_span(traced: RunningGateway, receiver: OTLPReceiver) -> None:
     trace_id, span_id, _ = caller()
-    response = httpx.post(
-        f"{traced.base_url}/v1/chat/completions",
-        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-        headers={"traceparent": f"00-{trace_id}-{span_id}-00", "X-Request-ID": "sampled-out-1"},
-        timeout=60,
+    response = chat(
+        traced.base_url, "m", {"traceparent": f"00-{trace_id}-{span_id}-00", "X-Request-ID": "sampled-out-1"}
     )
     assert response.status_code == 200
     assert trace_of(traced, receiver, trace_id) == []
@@ -222,12 +228,7 @@ def test_a_caller_that_sampled_its_trace_out_gets_no_span(traced: RunningGateway
 def test_a_request_without_trace_context_starts_a_trace_of_its_own(
     traced: RunningGateway, receiver: OTLPReceiver
 ) -> None:
-    response = httpx.post(
-        f"{traced.base_url}/v1/chat/completions",
-        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-        headers={"X-Request-ID": "untraced-caller-1"},
-        timeout=60,
-    )
+    response = chat(traced.base_url, "m", {"X-Request-ID": "untraced-caller-1"})
     assert response.status_code == 200
     assert traced.state.tracing is not None and traced.state.tracing.flush()
     server = [s for s in receiver.spans() if s.attributes.get("gateway.request_id") == "untraced-caller-1"]
@@ -257,12 +258,7 @@ def test_a_client_error_is_a_server_span_with_its_error_type_and_nothing_below(
     traced: RunningGateway, receiver: OTLPReceiver
 ) -> None:
     trace_id, _, traceparent = caller()
-    response = httpx.post(
-        f"{traced.base_url}/v1/chat/completions",
-        json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
-        headers={"traceparent": traceparent},
-        timeout=60,
-    )
+    response = chat(traced.base_url, "no-such-model", {"traceparent": traceparent})
     assert response.status_code == 404
     (server,) = trace_of(traced, receiver, trace_id)
     assert server.attributes["http.response.status_code"] == 404
@@ -279,12 +275,7 @@ def test_a_fallback_and_a_shadow_are_backend_calls_of_the_request_trace(
         frames = holder.iter_lines()  # (kept: a dropped iterator closes the response)
         next(frames)  # its first frame: it holds busy's only slot until it is closed
         trace_id, _, traceparent = caller()
-        response = httpx.post(
-            f"{traced.base_url}/v1/chat/completions",
-            json={"model": "held", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-            headers={"traceparent": traceparent},
-            timeout=60,
-        )
+        response = chat(traced.base_url, "held", {"traceparent": traceparent}, max_tokens=3)
     assert response.status_code == 200 and response.headers["x-backend"] == "spare"
     spans = trace_of(traced, receiver, trace_id)
     server = only(spans, "POST /v1/chat/completions")
@@ -300,12 +291,7 @@ def test_a_fallback_and_a_shadow_are_backend_calls_of_the_request_trace(
     mirror = traced.state.router.model_routes("mirrored").shadow
     assert mirror is not None
     trace_id, _, traceparent = caller()
-    response = httpx.post(
-        f"{traced.base_url}/v1/chat/completions",
-        json={"model": "mirrored", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-        headers={"traceparent": traceparent},
-        timeout=60,
-    )
+    response = chat(traced.base_url, "mirrored", {"traceparent": traceparent}, max_tokens=3)
     assert response.status_code == 200
     assert wait_until(lambda: mirror.active == 0), "the shadow request did not end"
     spans = trace_of(traced, receiver, trace_id)
@@ -335,12 +321,7 @@ def test_the_data_parallel_rank_that_served_a_request_is_on_its_backend_call(
     for prompt in ("one", "two"):  # idle ranks, short prompts: the balancer takes the ranks in turn
         before = _dispatched(traced)
         trace_id, _, traceparent = caller()
-        response = httpx.post(
-            f"{traced.base_url}/v1/chat/completions",
-            json={"model": "ranked", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2},
-            headers={"traceparent": traceparent},
-            timeout=60,
-        )
+        response = chat(traced.base_url, "ranked", {"traceparent": traceparent}, content=prompt)
         assert response.status_code == 200
         after = _dispatched(traced)
         (rank,) = (int(rank) for rank in after if after[rank] > before.get(rank, 0))
@@ -368,12 +349,7 @@ def test_with_tracing_off_nothing_is_started_and_nothing_exported(
             assert running.state.tracing is None
             assert _otel_threads() == threads, "an exporter thread was started"
             _, _, traceparent = caller()
-            response = httpx.post(
-                f"{running.base_url}/v1/chat/completions",
-                json={"model": "deepinfer-reference", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-                headers={"traceparent": traceparent},
-                timeout=60,
-            )
+            response = chat(running.base_url, "deepinfer-reference", {"traceparent": traceparent})
             assert response.status_code == 200
         finally:
             stop_gateway(running)
@@ -382,28 +358,21 @@ def test_with_tracing_off_nothing_is_started_and_nothing_exported(
 
 def test_spans_still_queued_are_exported_when_the_gateway_shuts_down(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # ten minutes: only the shutdown can send them
-    receiver = OTLPReceiver()
-    try:
+    with OTLPReceiver() as receiver:
         running = start_gateway(GatewayConfig(server={"tracing": {"endpoint": receiver.endpoint}}))
         trace_id, _, traceparent = caller()
         try:
-            response = httpx.post(
-                f"{running.base_url}/v1/chat/completions",
-                json={"model": "deepinfer-reference", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-                headers={"traceparent": traceparent},
-                timeout=60,
-            )
+            response = chat(running.base_url, "deepinfer-reference", {"traceparent": traceparent})
             assert response.status_code == 200
             assert receiver.spans(trace_id) == []
         finally:
             stop_gateway(running)
         assert {s.name for s in receiver.spans(trace_id)} >= {"POST /v1/chat/completions", "chat deepinfer-reference"}
-    finally:
-        receiver.close()
 
 
-def test_each_front_end_process_exports_its_requests_and_flushes_them_on_sigterm(tmp_path: Path) -> None:
-    receiver = OTLPReceiver()
+def test_each_front_end_process_exports_its_requests_and_flushes_them_on_sigterm(
+    receiver: OTLPReceiver, tmp_path: Path
+) -> None:
     port = free_port()
     config: dict[str, Any] = {
         "server": {"port": port, "workers": 2, "tracing": {"endpoint": receiver.endpoint}},
@@ -429,23 +398,18 @@ def test_each_front_end_process_exports_its_requests_and_flushes_them_on_sigterm
         for _ in range(8):  # new connections: the kernel spreads them over both processes
             trace_id, _, traceparent = caller()
             traces.append(trace_id)
-            response = httpx.post(
-                f"{base}/v1/chat/completions",
-                json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-                headers={"traceparent": traceparent},
-                timeout=60,
-            )
+            response = chat(base, "m", {"traceparent": traceparent})
             assert response.status_code == 200
-        assert receiver.spans() == []
+        assert not any(receiver.spans(trace_id) for trace_id in traces)
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=120) == 0
         for trace_id in traces:
             (server,) = (s for s in receiver.spans(trace_id) if s.kind == "server")
             assert server.resource["process.pid"] in pids
-        instances = {s.resource["process.pid"]: s.resource["service.instance.id"] for s in receiver.spans()}
+        ours = [s for trace_id in traces for s in receiver.spans(trace_id)]
+        instances = {s.resource["process.pid"]: s.resource["service.instance.id"] for s in ours}
         assert len(set(instances.values())) == len(instances), "each process is its own service instance"
     finally:
         if supervisor.poll() is None:
             supervisor.kill()
             supervisor.wait()
-        receiver.close()

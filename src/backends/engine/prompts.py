@@ -26,9 +26,9 @@ from tokenizers import Tokenizer
 
 from backends.engine.detokenizer import TokenTable
 from backends.engine.protocol import Engine, StructuredOutputCompiler
-from backends.errors import BackendError, ContextLengthExceededError, InvalidRequestError
+from backends.errors import ContextLengthExceededError, InvalidRequestError
 from backends.heap import release_free_heap
-from backends.interface import GenerateRequest, ToolCallDelta, TraceStage, TraceValue
+from backends.interface import GenerateRequest, ToolCallDelta, TraceValue, traced_stage
 
 DEFAULT_PREPARE_THREADS = 2
 TRIM_AFTER_CHARS = 1 << 20
@@ -115,20 +115,10 @@ class PromptPreparer:
         if trace is None:
             return await loop.run_in_executor(executor, self._prepare, request, engine, None, 0)
         parts: dict[str, TraceValue] = {}
-        started = time.time_ns()
-        error: str | None = None
-        try:
+        with traced_stage(trace, "engine.prepare_prompt", parts) as started:
             prompt = await loop.run_in_executor(executor, self._prepare, request, engine, parts, started)
             parts["gateway.prompt.tokens"] = len(prompt.ids)
-            return prompt
-        except BackendError as exc:
-            error = exc.message
-            raise
-        except BaseException as exc:
-            error = type(exc).__name__
-            raise
-        finally:
-            trace.record(TraceStage("engine.prepare_prompt", started, time.time_ns(), parts, error))
+        return prompt
 
     # ---- pool threads ----------------------------------------------------------------------------------------
 

@@ -20,9 +20,8 @@ from .harness.server import HarnessNode
 
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[OTLPReceiver]:
-    running = OTLPReceiver()
-    yield running
-    running.close()
+    with OTLPReceiver() as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
