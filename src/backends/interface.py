@@ -5,7 +5,9 @@ Events are plain slotted records: the hot path builds one per engine step per ch
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -43,6 +45,59 @@ class SamplingOptions:
 
 SAMPLING_DEFAULTS = SamplingOptions()
 
+TraceValue = str | bool | int | float
+
+
+class TraceStage(NamedTuple):
+    """A finished piece of one backend call (preparing the prompt, waiting for a slot), for the call's trace.
+
+    Times are ``time.time_ns()`` readings, so a stage can be measured on any thread and reported afterwards.
+    """
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, TraceValue] | None = None
+    error: str | None = None  # why the stage failed, when it did
+
+
+class CallTrace(Protocol):
+    """The gateway's trace of one backend call, on the requests of traced calls only (``GenerateRequest.trace``).
+
+    Backends tell it where the call's time went without knowing the tracing library; nothing here is per token.
+    """
+
+    def headers(self) -> dict[str, str]:
+        """W3C trace-context headers (``traceparent``, ``tracestate``) for an HTTP request the call sends upstream."""
+        ...
+
+    def record(self, stage: TraceStage) -> None:
+        """A finished stage of the call (a child span of the call's)."""
+
+    def annotate(self, name: str, value: TraceValue) -> None:
+        """An attribute of the call, e.g. the data-parallel rank that served it."""
+
+
+@contextmanager
+def traced_stage(trace: CallTrace, name: str, attributes: dict[str, TraceValue]) -> Iterator[int]:
+    """Records the ``with`` block as the stage ``name`` of the call's trace (it yields the start, a
+    ``time.time_ns()``). ``attributes`` may be filled in within the block; a failure is named by the backend
+    error's message, or the exception's type (a cancellation)."""
+    from backends.errors import BackendError
+
+    started = time.time_ns()
+    error: str | None = None
+    try:
+        yield started
+    except BackendError as exc:
+        error = exc.message
+        raise
+    except BaseException as exc:
+        error = type(exc).__name__
+        raise
+    finally:
+        trace.record(TraceStage(name, started, time.time_ns(), attributes, error))
+
 
 @dataclass(slots=True)
 class GenerateRequest:
@@ -69,6 +124,7 @@ class GenerateRequest:
     thinking: bool | None = None  # None: the backend's documented default
     reasoning_effort: str | int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    trace: CallTrace | None = None  # set by the gateway on the requests of a traced backend call
 
     @property
     def kind(self) -> PromptKind:

@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from backends.interface import Backend, Event, GenerateRequest
+from backends.interface import Backend, CallTrace, Event, GenerateRequest, TraceValue, traced_stage
 from gateway.limits import AdmissionGate
 
 
@@ -54,7 +54,11 @@ class _AdmittedEvents:
     async def _first(self) -> Event:
         if self._closed:
             raise StopAsyncIteration
-        await self._gate.acquire()
+        trace = self._request.trace
+        if trace is None:
+            await self._gate.acquire()
+        else:
+            await _acquire_traced(self._gate, trace)
         self._started = time.monotonic()
         events = self._events = self._backend.generate(self._request)
         return await events.__anext__()
@@ -71,6 +75,17 @@ class _AdmittedEvents:
                 await self._events.aclose()  # type: ignore[attr-defined]
         finally:
             self._gate.release(time.monotonic() - started)
+
+
+async def _acquire_traced(gate: AdmissionGate, trace: CallTrace) -> None:
+    """``gate.acquire()``, recorded in the call's trace as ``gateway.admission`` (its length: the queue wait)."""
+    attributes: dict[str, TraceValue] = {
+        "gateway.admission.in_flight": gate.in_flight,  # at arrival
+        "gateway.admission.queued": gate.queued,
+    }
+    with traced_stage(trace, "gateway.admission", attributes) as started:
+        await gate.acquire()
+        attributes["gen_ai.latency.time_in_queue"] = (time.time_ns() - started) / 1e9
 
 
 def admitted(backend: Backend, config: object) -> Backend:

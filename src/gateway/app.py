@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -28,6 +29,10 @@ from gateway.router import ModelRouter
 from gateway.routes import admin, generate, messages, models, operations, responses, tokenize
 from gateway.state import GatewayState
 from gateway.state_store import SharedStateStore
+from gateway.tracing_config import TracingConfig
+
+if TYPE_CHECKING:
+    from gateway.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 GC_GEN0_THRESHOLD = 10_000
@@ -56,10 +61,11 @@ def create_app(
     store = SharedStateStore(server.state_store, clock=time.monotonic) if server.state_store else None
     if store is not None:
         metrics.watch_state_store(store)
+    tracing = start_tracing(server.tracing)
     state = GatewayState(
         config=config,
         backends=dict(backends),
-        router=ModelRouter(config.models, backends, metrics.registry),
+        router=ModelRouter(config.models, backends, metrics.registry, tracing=tracing),
         metrics=metrics,
         start_errors=start_errors,
         limits=KeyLimits(server, store=store, processes=server.workers),
@@ -73,6 +79,7 @@ def create_app(
             metrics.registry,
         ),
         thinking_signer=signer_for(server.thinking_signature_key),
+        tracing=tracing,
     )
     json_parser = JSONBodyParser(config.server.json_parse_processes)
 
@@ -99,6 +106,8 @@ def create_app(
             json_parser.close()
             await state.responses.aclose()  # type: ignore[union-attr]
             metrics.close()
+            if tracing is not None:
+                await tracing.aclose()  # after the drain and the shadows: every request's spans have ended
 
     app = FastAPI(title="deepinfer-gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = state
@@ -118,8 +127,23 @@ def create_app(
         access_log=config.server.access_log,
         draining=lambda: state.draining,
         metrics=metrics,
+        tracing=tracing,
     )
     return app
+
+
+def start_tracing(config: TracingConfig) -> Tracing | None:
+    """The app's tracing when ``server.tracing`` is active; otherwise None, and OpenTelemetry is not even imported."""
+    if not config.active:
+        return None
+    problem = config.unavailable()
+    if problem is not None:
+        raise RuntimeError(problem)
+    from gateway.tracing import Tracing
+
+    tracing = Tracing(config)
+    logger.info("tracing on: spans go to %s (sampler %s)", config.traces_url(), config.sampler)
+    return tracing
 
 
 def _freeze_gc(_: object) -> None:

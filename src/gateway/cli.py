@@ -36,6 +36,10 @@ def serve(
     except ConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from exc
+    problem = settings.server.tracing.unavailable()
+    if problem is not None:
+        typer.echo(problem, err=True)
+        raise typer.Exit(2)
     run_server(settings)
 
 
@@ -94,8 +98,8 @@ URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@", re.IGNORECA
 
 def redact_secrets(value: Any) -> Any:
     """The dumped configuration with every key replaced by ``REDACTED``: client keys (plain or with limits), the
-    admin key, upstream ``api_key``s and passwords in URLs, wherever they came from (file or ``GATEWAY_*``
-    variables)."""
+    admin key, upstream ``api_key``s, the OTLP exporter's headers and passwords in URLs, wherever they came from
+    (file, ``GATEWAY_*`` or ``OTEL_*`` variables)."""
     if isinstance(value, str):
         return URL_PASSWORD.sub(rf"\1:{REDACTED}@", value)
     if isinstance(value, list):
@@ -108,6 +112,8 @@ def redact_secrets(value: Any) -> Any:
             out[name] = REDACTED
         elif name == "api_keys" and isinstance(item, list):
             out[name] = [REDACTED if isinstance(k, str) else {**k, "key": REDACTED} for k in item]
+        elif name == "headers" and isinstance(item, dict):  # server.tracing.headers: collector credentials
+            out[name] = dict.fromkeys(item, REDACTED)
         else:
             out[name] = redact_secrets(item)
     return out

@@ -23,6 +23,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from backends.config import BackendConfig, ReferenceBackendConfig
+from gateway.tracing_config import TracingConfig
 
 DEFAULT_MODEL_NAME = "deepinfer-reference"
 DEFAULT_BACKEND_NAME = "reference"
@@ -137,6 +138,10 @@ class ServerConfig(BaseModel):
     )
     workers: int = Field(
         1, ge=1, le=256, description="front-end processes serving one port (uvicorn workers); see README, Scale out"
+    )
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        description="OpenTelemetry traces over OTLP/HTTP; OTEL_* environment variables override it (README, Traces)",
     )
 
     @model_validator(mode="after")
@@ -286,7 +291,7 @@ class ModelConfig(BaseModel):
 class GatewayConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GATEWAY_", env_nested_delimiter="__", extra="forbid")
 
-    server: ServerConfig = ServerConfig()
+    server: ServerConfig = Field(default_factory=ServerConfig)  # built per config: server.tracing reads OTEL_*
     backends: list[BackendConfig] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
 

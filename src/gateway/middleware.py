@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from starlette.exceptions import HTTPException
@@ -14,6 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.connections import BODY_TIMEOUT
 from gateway.errors import APIError, error_body
 from gateway.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from gateway.tracing import Tracing
 
 _log = structlog.get_logger("gateway.access")
 _REQUEST_ID = b"x-request-id"
@@ -36,7 +39,7 @@ class RequestContextMiddleware:
     """Gives every HTTP request an id (the client's ``X-Request-ID`` or a new one), enforces the body size limit,
     and writes one structured log line (with the API key's label when authentication is on) when the response is
     complete (streams included). Requests that never reached a backend are counted in ``gateway_requests_total``
-    here, with empty model and backend labels."""
+    here, with empty model and backend labels. With tracing on, the request's server span covers the same time."""
 
     def __init__(
         self,
@@ -46,9 +49,11 @@ class RequestContextMiddleware:
         access_log: bool = True,
         draining: Callable[[], bool] = lambda: False,
         metrics: GatewayMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.app = app
         self.metrics = metrics
+        self.tracing = tracing
         self.max_body_bytes = max_body_bytes
         self.access_log = access_log
         self.draining = draining
@@ -72,6 +77,7 @@ class RequestContextMiddleware:
         started = time.perf_counter()
         status = 500
         header = (_REQUEST_ID, request_id.encode())
+        span = self.tracing.start_request(scope, request_id) if self.tracing is not None else None
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -124,6 +130,12 @@ class RequestContextMiddleware:
                 log["error_code"] = "client_disconnected"
             if self.metrics is not None and not routed:
                 self.metrics.count_unrouted(final_status, log.get("error_code"))
+            if span is not None:
+                trace_id = span.trace_id
+                if trace_id is not None:
+                    log["trace_id"] = trace_id
+                route = scope.get("route")
+                span.end(final_status, log, state.get("api_key"), getattr(route, "path", None))
             if self.access_log:
                 _log.info(
                     "request",

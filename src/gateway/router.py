@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -25,6 +26,9 @@ from gateway.routing.shadow import ShadowMirror
 from gateway.routing.stream import EventFactory, RoutedStream
 from gateway.routing.targets import BackendLoad, Target
 from gateway.routing.telemetry import RoutingMetrics
+
+if TYPE_CHECKING:
+    from gateway.tracing import Tracing
 
 PIN_HEADER = "x-backend"
 SESSION_HEADER = "x-session-id"
@@ -40,9 +44,11 @@ class ModelRoutes:
         loads: Mapping[str, BackendLoad],
         metrics: RoutingMetrics,
         rng: random.Random | None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.name = config.name
         self.metrics = metrics
+        self.tracing = tracing
         self.allow_pin = config.allow_pin_header
         breaker = config.circuit_breaker
         self.targets: dict[str, Target] = {}
@@ -85,6 +91,7 @@ class ModelRoutes:
                 max_concurrency=config.shadow.max_concurrency,
                 metrics=metrics,
                 rng=rng,
+                tracing=tracing,
             )
 
     def choose(self, request: GenerateRequest | None, headers: Mapping[str, str] | None) -> tuple[Target, str]:
@@ -152,10 +159,12 @@ class ModelRouter:
         registry: CollectorRegistry | None = None,
         *,
         rng: random.Random | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.metrics = RoutingMetrics(registry)
+        self.tracing = tracing
         loads = {name: BackendLoad() for name in backends}
-        self._models = {m.name: ModelRoutes(m, backends, loads, self.metrics, rng) for m in models}
+        self._models = {m.name: ModelRoutes(m, backends, loads, self.metrics, rng, tracing) for m in models}
         self.model_names = list(self._models)
         self.aliases = {alias: m.name for m in models for alias in m.aliases}
         """Every alias and the served model name it stands for (``models[].aliases``)."""
@@ -175,11 +184,15 @@ class ModelRouter:
         routes = self._models.get(self.aliases.get(model, model))
         if routes is None:
             raise model_not_found(model)
+        started = time.time_ns() if self.tracing is not None else 0
         target, via = routes.choose(request, headers)
         pair = None
         if routes.shadow is not None and via != "pinned":
             pair = routes.shadow.mirror(target.name, request, factory)
-        return RoutedStream(routes, target, via, factory, pair)
+        if self.tracing is not None:
+            shadow = routes.shadow.name if pair is not None and routes.shadow is not None else None
+            self.tracing.record_route(started, model, target.name, via, shadow)
+        return RoutedStream(routes, target, via, factory, pair, request)
 
     def served_name(self, model: str) -> str:
         """The served model a client's name stands for (itself, or the model it is an alias of); a 404 when no

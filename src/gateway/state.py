@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
@@ -15,6 +16,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.response_store import StoredResponses
 from gateway.router import ModelRouter
 from gateway.state_store import SharedStateStore
+
+if TYPE_CHECKING:
+    from gateway.tracing import Tracing
 
 
 @dataclass
@@ -34,6 +38,8 @@ class GatewayState:
     """Set once every backend's start has returned or failed: until then /ready is 503 (starting)."""
     thinking_signer: ThinkingSigner | None = None
     """Signs and checks the thinking blocks of ``/v1/messages`` (``server.thinking_signature_key``)."""
+    tracing: Tracing | None = None
+    """OpenTelemetry traces (``server.tracing``), when they are on."""
     draining: bool = False
     """Set on SIGTERM: /ready turns 503 and new generation requests are refused while in-flight ones finish."""
 

@@ -78,6 +78,7 @@ def test_serve_refuses_a_config_that_references_an_unknown_backend(tmp_path: Pat
 
 SECRET_CONFIG = (
     "server:\n  api_keys:\n    - sk-plain-client-key-1\n    - key: sk-named-client-key-2\n      name: team-a\n"
+    "  tracing:\n    headers: {authorization: 'Bearer sk-otlp-token-6'}\n"
     "backends:\n  - name: ref\n    kind: reference\n"
     "  - name: lm\n    kind: lmdeploy\n    urls: ['http://user:sk-url-password-5@127.0.0.1:1']\n"
     "    api_key: sk-upstream-key-3\n"
@@ -89,6 +90,7 @@ SECRETS = (
     "sk-upstream-key-3",
     "sk-admin-from-env-4",
     "sk-url-password-5",
+    "Bearer sk-otlp-token-6",
 )
 
 

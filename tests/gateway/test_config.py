@@ -63,3 +63,84 @@ def test_invalid_config_is_rejected_naming_the_problem(tmp_path: Path, yaml_text
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "absent.yaml")
+
+
+OTEL_VARIABLES = (
+    "OTEL_SDK_DISABLED",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+    "OTEL_EXPORTER_OTLP_TIMEOUT",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+)
+
+
+@pytest.fixture
+def otel_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in OTEL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_tracing_is_off_unless_an_endpoint_or_the_otlp_exporter_is_configured(
+    tmp_path: Path, otel_env: pytest.MonkeyPatch
+) -> None:
+    assert not load_config().server.tracing.active
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  tracing:\n    endpoint: http://collector:4318/\n")
+    tracing = load_config(path).server.tracing
+    assert tracing.active and tracing.traces_url() == "http://collector:4318/v1/traces"
+    otel_env.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert not load_config(path).server.tracing.active
+    otel_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    assert load_config().server.tracing.traces_url() == "http://localhost:4318/v1/traces", "OTLP's default"
+    otel_env.setenv("OTEL_SDK_DISABLED", "true")
+    assert not load_config(path).server.tracing.active
+
+
+def test_otel_variables_override_server_tracing(tmp_path: Path, otel_env: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "server:\n  tracing:\n    endpoint: http://file:4318\n    service_name: from-file\n"
+        "    headers: {authorization: file}\n    resource_attributes: {team: a, region: eu}\n    sampler: always_on\n"
+    )
+    otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://env:4318")
+    otel_env.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=generic")
+    otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "authorization=Bearer%20t0ken,x-tenant=7")
+    otel_env.setenv("OTEL_SERVICE_NAME", "gateway-eu")
+    otel_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "team=b,deployment.environment=prod")
+    otel_env.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    otel_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
+    otel_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "3")
+    tracing = load_config(path).server.tracing
+    assert tracing.traces_url() == "http://env:4318/v1/traces"
+    assert tracing.headers == {"authorization": "Bearer t0ken", "x-tenant": "7"}, "the traces variable wins"
+    assert tracing.service_name == "gateway-eu"
+    assert tracing.resource_attributes == {"team": "b", "region": "eu", "deployment.environment": "prod"}
+    assert (tracing.sampler, tracing.sampler_arg, tracing.timeout) == ("parentbased_traceidratio", 0.25, 3.0)
+    otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://env:4318/custom/traces")
+    assert load_config(path).server.tracing.traces_url() == "http://env:4318/custom/traces", "a full URL as is"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+        ("OTEL_TRACES_SAMPLER", "jaeger_remote"),
+        ("OTEL_TRACES_EXPORTER", "zipkin"),
+        ("OTEL_RESOURCE_ATTRIBUTES", "team"),
+        ("OTEL_TRACES_SAMPLER_ARG", "lots"),
+    ],
+)
+def test_an_otel_variable_the_gateway_cannot_honour_is_an_error_naming_it(
+    otel_env: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    otel_env.setenv(name, value)
+    with pytest.raises(ConfigError, match=name):
+        load_config()

@@ -181,7 +181,11 @@ class EngineBackend:
         try:
             for index, engine_id in enumerate(engine_ids):
                 seed = None if sampling.seed is None else sampling.seed + index
-                self.driver.add(engine_id, {**params, "seq_seed": seed}, prompt_array, sink, index, request.user or "")
+                rank = self.driver.add(
+                    engine_id, {**params, "seq_seed": seed}, prompt_array, sink, index, request.user or ""
+                )
+                if rank is not None and request.trace is not None:
+                    request.trace.annotate("gateway.dp.rank", rank)  # a request's choices share one rank
             echo_text = ""
             if request.echo:
                 echo_text = (

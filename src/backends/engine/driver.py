@@ -134,11 +134,14 @@ class EngineDriver:
         sink: Sink,
         index: int,
         user_id: str = "",
-    ) -> None:
+    ) -> int | None:
+        """Queues the request for the engine thread. Returns the data-parallel rank that takes it: None here, with
+        one engine (``DataParallelDriver.add`` names a rank)."""
         if not self.alive:
             raise UnavailableError(f"backend {self.name!r} is not running: {self.failure or 'not started'}")
         self._sinks[request_id] = (sink, index)
         self._inbox.put(_Add(request_id, sampling_params, prompt_token_ids, user_id))
+        return None
 
     def abort(self, request_ids: list[str]) -> None:
         """Stops the requests now: their sinks are dropped at once, the engine is told on its next turn."""

@@ -7,12 +7,16 @@ request's preparation therefore runs as one job on a small thread pool (``prepar
 config). Tokenizing uses ``encode_batch_fast``: it releases the GIL while the Rust tokenizer works (``encode``
 keeps it for the whole 25 s of a 7 MiB prompt), and its encodings carry no offsets, so freeing one (which holds
 the GIL) takes 30 ms instead of a second. Grammars are compiled by engines that offer ``StructuredOutputCompiler``
-and handed to ``add_request`` ready.
+and handed to ``add_request`` ready. For a traced request (``GenerateRequest.trace``) the job's parts are timed on
+the pool thread and reported to the trace from the event loop, as one stage ``engine.prepare_prompt`` (submission
+to result) whose attributes split it: the wait for a pool thread, rendering, tokenizing, compiling (one span
+rather than four: the SDK's cost is per span).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
@@ -24,7 +28,7 @@ from backends.engine.detokenizer import TokenTable
 from backends.engine.protocol import Engine, StructuredOutputCompiler
 from backends.errors import ContextLengthExceededError, InvalidRequestError
 from backends.heap import release_free_heap
-from backends.interface import GenerateRequest, ToolCallDelta
+from backends.interface import GenerateRequest, ToolCallDelta, TraceValue, traced_stage
 
 DEFAULT_PREPARE_THREADS = 2
 TRIM_AFTER_CHARS = 1 << 20
@@ -106,11 +110,23 @@ class PromptPreparer:
         executor = self._executor
         engine = self._engine
         assert executor is not None and engine is not None, "PromptPreparer.start() was not called"
-        return await asyncio.get_running_loop().run_in_executor(executor, self._prepare, request, engine)
+        loop = asyncio.get_running_loop()
+        trace = request.trace
+        if trace is None:
+            return await loop.run_in_executor(executor, self._prepare, request, engine, None, 0)
+        parts: dict[str, TraceValue] = {}
+        with traced_stage(trace, "engine.prepare_prompt", parts) as started:
+            prompt = await loop.run_in_executor(executor, self._prepare, request, engine, parts, started)
+            parts["gateway.prompt.tokens"] = len(prompt.ids)
+        return prompt
 
     # ---- pool threads ----------------------------------------------------------------------------------------
 
-    def _prepare(self, request: GenerateRequest, engine: Engine) -> PreparedPrompt:
+    def _prepare(
+        self, request: GenerateRequest, engine: Engine, parts: dict[str, TraceValue] | None, submitted: int
+    ) -> PreparedPrompt:
+        """The preparation job; a traced one (``parts``) also notes how long each part took, from ``submitted``
+        (when the event loop handed it to the pool) on."""
         if request.prompt_token_ids is not None:
             if len(request.prompt_token_ids) > engine.max_model_len:
                 raise _too_long(engine.max_model_len, f"has {len(request.prompt_token_ids)} tokens", "prompt")
@@ -124,17 +140,26 @@ class PromptPreparer:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
             return PreparedPrompt(np.ascontiguousarray(ids, dtype=np.int32), None, None)
         chat: ChatPrompt | None = None
+        mark = _part(parts, "gateway.prompt.queue_s", submitted) if parts is not None else 0  # the wait for a thread
         if request.messages is not None:
             chat = self._template.render(request, engine.tokenizer)
             text = chat.text
             add_special_tokens = False  # the chat template writes BOS itself
+            if parts is not None:
+                mark = _part(parts, "gateway.prompt.render_s", mark)
         else:
             text = request.prompt or ""
             add_special_tokens = True
+        if parts is not None:
+            parts["gateway.prompt.chars"] = len(text)
         ids = self._tokenize(text, add_special_tokens, engine, param="messages" if chat is not None else "prompt")
+        if parts is not None:
+            mark = _part(parts, "gateway.prompt.tokenize_s", mark)
         so_args: Mapping[str, Any] | None = chat.so_args if chat is not None else None
         if so_args is not None and isinstance(engine, StructuredOutputCompiler):
             so_args = engine.compile_so_args(so_args)
+            if parts is not None:
+                _part(parts, "gateway.prompt.compile_s", mark)
         return PreparedPrompt(ids, chat, so_args)
 
     def _tokenize(self, text: str, add_special_tokens: bool, engine: Engine, *, param: str) -> np.ndarray:
@@ -155,6 +180,13 @@ class PromptPreparer:
             if len(text) >= TRIM_AFTER_CHARS:
                 encoding = None
                 release_free_heap()
+
+
+def _part(parts: dict[str, TraceValue], name: str, started: int) -> int:
+    """Records how long the part of a traced preparation that began at ``started`` took, in seconds; returns now."""
+    now = time.time_ns()
+    parts[name] = (now - started) / 1e9
+    return now
 
 
 def _too_long(limit: int, prompt: str, param: str) -> ContextLengthExceededError:

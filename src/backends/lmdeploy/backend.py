@@ -284,6 +284,10 @@ class LMDeployBackend:
         deadline = started + self.config.total_timeout if self.config.total_timeout else float("inf")
         if request.deadline is not None:
             deadline = min(deadline, request.deadline)
+        headers = self._headers
+        if request.trace is not None:  # the upstream request joins the client's trace
+            headers = {**headers, **request.trace.headers()}
+            request.trace.annotate("gateway.lmdeploy.node", node.url)
         node.in_flight += 1
         node.requests += 1
         response: aiohttp.ClientResponse | None = None
@@ -293,7 +297,7 @@ class LMDeployBackend:
             try:
                 async with asyncio.timeout_at(min(started + self._first_byte_timeout, deadline)):
                     response = await session.post(
-                        node.url + plan.path, data=body, headers=self._headers, timeout=self._request_timeout
+                        node.url + plan.path, data=body, headers=headers, timeout=self._request_timeout
                     )
                     if response.status != 200:
                         raise failure_from_status(response.status, await _bounded_body(response), node.url)

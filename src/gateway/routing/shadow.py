@@ -15,11 +15,14 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.interface import Backend, Delta, Event, Finish, GenerateRequest, Usage
 from gateway.routing.targets import BackendLoad, LatencyWindow
 from gateway.routing.telemetry import RoutingMetrics
+
+if TYPE_CHECKING:
+    from gateway.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +130,10 @@ class ShadowMirror:
         max_concurrency: int,
         metrics: RoutingMetrics,
         rng: random.Random | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.model = model
+        self._tracing = tracing
         self.backend = backend
         self.name = backend.name
         self.load = load
@@ -157,7 +162,7 @@ class ShadowMirror:
         greedy = request is not None and request.sampling.temperature == 0
         pair = ShadowPair(self, primary, greedy)
         self.load.shadow_in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._run(pair, factory), name=f"shadow-{self.name}")
+        task = asyncio.get_running_loop().create_task(self._run(pair, factory, request), name=f"shadow-{self.name}")
         self._tasks.add(task)
         task.add_done_callback(functools.partial(self._finished, pair))
         return pair
@@ -174,24 +179,33 @@ class ShadowMirror:
         if task.cancelled():
             self._count(pair.primary_backend, "cancelled")
 
-    async def _run(self, pair: ShadowPair, factory: EventFactory) -> None:
+    async def _run(self, pair: ShadowPair, factory: EventFactory, request: GenerateRequest | None) -> None:
         capture = pair.shadow
         capture.started = time.perf_counter()
         events: AsyncIterator[Event] | None = None
+        # The task was started by the client's request, so its trace's span is current here (a copied context).
+        call = self._tracing.backend_call(self.backend, request, "shadow") if self._tracing is not None else None
+        failure: BaseException | None = None
         try:
-            events = factory(self.backend)
+            events = factory(self.backend if call is None else call.backend)
             async for event in events:
                 capture.observe(event)
+                if call is not None:
+                    call.observe(event)
             capture.end(OK)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            failure = exc
             capture.end(CANCELLED)  # counted by _finished
             raise
         except Exception as exc:  # the shadow's failure is never the client's: log it, count it at settle
+            failure = exc
             logger.warning("shadow request of model %s to %s failed: %r", self.model, self.name, exc)
             capture.end(FAILED)
         finally:
             if events is not None:
                 await events.aclose()  # type: ignore[attr-defined]
+            if call is not None:
+                call.end(failure)
         if pair.primary.outcome is not None:
             self.settle(pair)
 

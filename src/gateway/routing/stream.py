@@ -6,7 +6,8 @@ The first event is the commit point. Until a target produced it, nothing can hav
 fallback. After it, a failure ends the request (an error frame on a stream): never a second answer.
 
 Accounting happens once at the start and once at the end of a request (in-flight count, breaker, latency
-window); per event there is one extra method call and, until the first token, one type check.
+window); per event there is one extra method call and, until the first token, one type check. A traced request
+has a span per attempt (``gateway.tracing.BackendCall``), which also sees every event.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from backends.errors import (
     ModelNotFoundError,
     OverloadedError,
 )
-from backends.interface import Backend, Delta, Event
+from backends.interface import Backend, Delta, Event, GenerateRequest
 from gateway.routing.shadow import CANCELLED, FAILED, OK, ShadowPair
 from gateway.routing.targets import Target
 
 if TYPE_CHECKING:
     from gateway.router import ModelRoutes
+    from gateway.tracing import BackendCall
 
 EventFactory = Callable[[Backend], AsyncIterator[Event]]
 """Opens the request's event stream on a given backend (called once per attempt, and once for the shadow)."""
@@ -49,6 +51,7 @@ class RoutedStream:
     """The async iterator of events the gateway streams for one request (see the module docstring)."""
 
     __slots__ = (
+        "_call",
         "_done",
         "_factory",
         "_first_token_at",
@@ -56,20 +59,30 @@ class RoutedStream:
         "_inner",
         "_pair",
         "_probe",
+        "_request",
         "_routes",
         "_started",
         "_target",
         "_tried",
+        "_via",
         "_watching",
         "served_by",
     )
 
     def __init__(
-        self, routes: ModelRoutes, target: Target, via: str, factory: EventFactory, pair: ShadowPair | None
+        self,
+        routes: ModelRoutes,
+        target: Target,
+        via: str,
+        factory: EventFactory,
+        pair: ShadowPair | None,
+        request: GenerateRequest | None = None,
     ) -> None:
         self._routes = routes
         self._factory = factory
         self._pair = pair
+        self._request = request
+        self._call: BackendCall | None = None
         self._inner: AsyncIterator[Event] | None = None
         self._done = False
         self._first_token_at: float | None = None
@@ -125,6 +138,7 @@ class RoutedStream:
 
     def _send_to(self, target: Target, via: str) -> None:
         self._target = target
+        self._via = via
         self._tried.append(target)
         target.load.in_flight += 1
         self._held = True
@@ -142,8 +156,10 @@ class RoutedStream:
             if self._pair is not None:
                 self._pair.primary.started = self._started
             inner: AsyncIterator[Event] | None = None
+            tracing = self._routes.tracing
+            call = self._call = tracing.backend_call(target.backend, self._request, self._via) if tracing else None
             try:
-                inner = self._factory(target.backend)
+                inner = self._factory(target.backend if call is None else call.backend)
                 event = await inner.__anext__()
             except StopAsyncIteration:
                 self._inner = inner
@@ -156,6 +172,8 @@ class RoutedStream:
                 if inner is not None:
                     await inner.aclose()  # type: ignore[attr-defined]
                 following = self._routes.next_fallback(self._tried) if may_fall_back(exc) else None
+                if call is not None:
+                    call.end(exc, following.name if following is not None else None)
                 if following is None:
                     self._finish_unserved(FAILED)
                     raise
@@ -163,7 +181,9 @@ class RoutedStream:
                 if self.served_by is not None:
                     self.served_by(following.backend)
                 continue
-            except BaseException:  # cancelled (client gone, deadline) or a bug: nothing is known about the target
+            except BaseException as exc:  # cancelled (client gone, deadline) or a bug: nothing is known of the target
+                if call is not None:
+                    call.end(exc)
                 self._abandon_before_start()
                 if inner is not None:
                     await inner.aclose()  # type: ignore[attr-defined]
@@ -204,19 +224,24 @@ class RoutedStream:
     # ---- after the first event -----------------------------------------------------------------------------
 
     def _watch(self, event: Event) -> None:
-        """Until the first token (for the latency window), and for mirrored requests (for the comparison)."""
+        """Until the first token (for the latency window), and for mirrored or traced requests."""
         pair = self._pair
         if self._first_token_at is None and type(event) is Delta:
             self._first_token_at = time.perf_counter()
         if pair is not None:
             pair.primary.observe(event)
-        self._watching = pair is not None or self._first_token_at is None
+        call = self._call
+        if call is not None:
+            call.observe(event)
+        self._watching = pair is not None or call is not None or self._first_token_at is None
 
     def _end(self, exc: BaseException | None) -> None:
         if self._done:
             return
         self._done = True
         self._release()
+        if self._call is not None:
+            self._call.end(exc)
         target = self._target
         if exc is None:
             outcome = OK
