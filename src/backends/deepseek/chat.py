@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from backends.deepseek.effort import v41_effort
 from backends.deepseek.encoding import (
     DSML_CALLS_END,
     DSML_CALLS_START,
@@ -40,18 +41,6 @@ from backends.deepseek.structured import (
 from backends.engine.backend import ChatPrompt
 from backends.errors import InvalidRequestError
 from backends.interface import REQUEST_FEATURES, GenerateRequest
-
-OPENAI_EFFORTS: Mapping[str, str | None] = {
-    "none": None,
-    "minimal": None,
-    "low": "low",
-    "medium": "high",
-    "high": "high",
-    "xhigh": "xhigh",
-    "max": "max",
-}
-"""OpenAI ``reasoning_effort`` -> V4.1 effort; None means chat mode. ``medium`` is OpenAI's default and V4.1 has
-no such level, so it maps to V4.1's own default, ``high`` (50 on the 1-100 scale). Integers 1-100 pass through."""
 
 OUTPUT_MARKERS = (
     THINK_START,
@@ -150,7 +139,10 @@ class DeepSeekV41ChatTemplate:
                     f"{', '.join(sorted(CHAT_TEMPLATE_KWARGS))}",
                     param=f"chat_template_kwargs.{key}",
                 )
-        effort = v41_effort(request.reasoning_effort)
+        try:
+            effort = v41_effort(request.reasoning_effort)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="reasoning_effort") from None
         if request.reasoning_effort is not None and effort is None:  # none / minimal
             return False, None
         for key in THINKING_SWITCHES:
@@ -169,20 +161,6 @@ class DeepSeekV41ChatTemplate:
         if ids is None:
             ids = self._think_end_ids[key] = list(tokenizer.encode(THINK_END, add_special_tokens=False).ids)
         return list(ids)
-
-
-def v41_effort(effort: Any) -> str | int | None:
-    """Map an OpenAI ``reasoning_effort`` (or an integer 1-100) to V4.1's; None for none/minimal and unset."""
-    if effort is None:
-        return None
-    if isinstance(effort, int) and not isinstance(effort, bool) and 1 <= effort <= 100:
-        return effort
-    if isinstance(effort, str) and effort in OPENAI_EFFORTS:
-        return OPENAI_EFFORTS[effort]
-    raise InvalidRequestError(
-        f"invalid reasoning_effort {effort!r}: expected one of {', '.join(OPENAI_EFFORTS)} or an integer from 1 to 100",
-        param="reasoning_effort",
-    )
 
 
 def _check_tool_schemas(tools: list[dict[str, Any]] | None) -> None:

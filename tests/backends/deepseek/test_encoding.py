@@ -25,7 +25,7 @@ from backends.deepseek.encoding import (
 # Literal strings, deliberately not built from the module's constants.
 B = "<｜begin▁of▁sentence｜>"
 E = "<｜end▁of▁sentence｜>"
-EFFORT_50 = "Reasoning Effort: 50 (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+EFFORT_75 = "Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
 TOOLS_HEADER = (
     "## Tools\n\nYou have access to a set of tools to help answer the user's question. "
@@ -95,7 +95,7 @@ def test_h7_1_chat_mode_single_user_turn() -> None:
 def test_h7_2_thinking_mode_default_effort_prefixes_system_message() -> None:
     prompt = encode_messages([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}], thinking=True)
     assert prompt == (
-        "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 50 (range 1-100, the higher the value, "
+        "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, "
         "the more thorough the reasoning)\n\nS<｜User｜>Hi<｜Assistant｜><think>"
     )
 
@@ -110,7 +110,7 @@ HISTORY_ABC = [
 def test_h7_3_thinking_mode_drops_historical_reasoning() -> None:
     prompt = encode_messages(HISTORY_ABC, thinking=True)
     assert prompt == (
-        "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 50 (range 1-100, the higher the value, "
+        "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, "
         "the more thorough the reasoning)\n\n<｜User｜>A<｜Assistant｜></think>B<｜end▁of▁sentence｜>"
         "<｜User｜>C<｜Assistant｜><think>"
     )
@@ -172,7 +172,7 @@ def test_h7_6_thinking_with_tools_keeps_history_reasoning_and_merges_tool_result
     )
     assert prompt.endswith(tail)
     # No system message: an empty one is inserted at index 0 to carry the tools.
-    assert prompt == "<｜begin▁of▁sentence｜><｜System｜>" + EFFORT_50 + "\n\n" + TOOLS_HEADER + F_SCHEMA_LINE + (
+    assert prompt == "<｜begin▁of▁sentence｜><｜System｜>" + EFFORT_75 + "\n\n" + TOOLS_HEADER + F_SCHEMA_LINE + (
         TOOLS_FOOTER + tail
     )
 
@@ -198,7 +198,7 @@ def test_h7_8_thinking_continue_final_message_keeps_reasoning_open() -> None:
         thinking=True,
         continue_final_message=True,
     )
-    assert prompt == B + "<｜System｜>" + EFFORT_50 + "<｜User｜>Q<｜Assistant｜><think>partial"
+    assert prompt == B + "<｜System｜>" + EFFORT_75 + "<｜User｜>Q<｜Assistant｜><think>partial"
 
 
 def test_h7_9_chat_mode_mid_conversation_system_opens_assistant_turn() -> None:
@@ -234,7 +234,7 @@ def test_tool_schema_keeps_key_order_and_non_ascii() -> None:
 def test_empty_system_in_thinking_mode_gives_four_newlines_before_tools() -> None:
     prompt = encode_messages([{"role": "user", "content": "x"}], thinking=True, tools=[F_TOOL])
     assert prompt.startswith(
-        B + "<｜System｜>Reasoning Effort: 50 (range 1-100, the higher the value, the more thorough the "
+        B + "<｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the "
         "reasoning)\n\n\n\n## Tools\n\n"
     )
 
@@ -297,7 +297,7 @@ def test_response_format_without_system_inserts_empty_system_at_index_0() -> Non
     assert prompt == (
         B
         + "<｜System｜>"
-        + EFFORT_50
+        + EFFORT_75
         + "\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
         + '{"type": "json_schema", "json_schema": {"name": "ans", "schema": {"type": "object"}}}'
         + "<｜User｜>Q<｜Assistant｜><think>"
@@ -323,7 +323,7 @@ def test_drop_thinking_drops_developer_messages_and_reasoning_before_last_user_t
     ]
     prompt = encode_messages(messages, thinking=True)
     assert prompt == (
-        B + "<｜System｜>" + EFFORT_50 + "<｜User｜>A<｜Assistant｜></think>B" + E + "<｜User｜>C<｜Assistant｜><think>"
+        B + "<｜System｜>" + EFFORT_75 + "<｜User｜>A<｜Assistant｜></think>B" + E + "<｜User｜>C<｜Assistant｜><think>"
     )
     assert "D1" not in prompt and "r1" not in prompt
 
@@ -336,7 +336,7 @@ def test_drop_thinking_keeps_developer_message_that_is_the_last_user_turn() -> N
     ]
     prompt = encode_messages(messages, thinking=True)
     assert prompt == (
-        B + "<｜System｜>" + EFFORT_50 + "<｜User｜>A<｜Assistant｜></think>B" + E + "<｜User｜>D<｜Assistant｜><think>"
+        B + "<｜System｜>" + EFFORT_75 + "<｜User｜>A<｜Assistant｜></think>B" + E + "<｜User｜>D<｜Assistant｜><think>"
     )
 
 
@@ -346,7 +346,7 @@ def test_drop_thinking_keeps_reasoning_after_last_user_turn() -> None:
         {"role": "assistant", "content": "B", "reasoning_content": "r1"},
     ]
     prompt = encode_messages(messages, thinking=True, add_generation_prompt=False)
-    assert prompt == B + "<｜System｜>" + EFFORT_50 + "<｜User｜>A<｜Assistant｜><think>r1</think>B" + E
+    assert prompt == B + "<｜System｜>" + EFFORT_75 + "<｜User｜>A<｜Assistant｜><think>r1</think>B" + E
 
 
 def test_drop_thinking_false_keeps_history_reasoning_and_developer_messages() -> None:
@@ -360,7 +360,7 @@ def test_drop_thinking_false_keeps_history_reasoning_and_developer_messages() ->
     assert prompt == (
         B
         + "<｜System｜>"
-        + EFFORT_50
+        + EFFORT_75
         + "<｜User｜>D1<｜User｜>A<｜Assistant｜><think>r1</think>B"
         + E
         + "<｜User｜>C<｜Assistant｜><think>"
@@ -378,7 +378,7 @@ def test_tools_disable_drop_thinking() -> None:
     assert with_tools == (
         B
         + "<｜System｜>"
-        + EFFORT_50
+        + EFFORT_75
         + "\n\n"
         + TOOLS_HEADER
         + F_SCHEMA_LINE
@@ -409,7 +409,7 @@ def test_mid_conversation_system_counts_as_last_user_turn_for_drop_thinking() ->
     assert prompt == (
         B
         + "<｜System｜>"
-        + EFFORT_50
+        + EFFORT_75
         + "<｜User｜>A<｜Assistant｜></think>B"
         + E
         + "<｜System｜>NEW<｜Assistant｜><think>"
@@ -669,12 +669,23 @@ def test_malformed_tool_call_raises_value_error() -> None:
 # --- Reasoning effort (H3) ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("effort", "value"),
-    [(None, 50), ("low", 25), ("high", 50), ("xhigh", 75), ("max", 100), (1, 1), (42, 42), (100, 100)],
-)
+RELEASED_EFFORTS = [(None, 75), ("low", 50), ("high", 75), ("xhigh", 75), ("max", 100), (1, 1), (42, 42), (100, 100)]
+"""DeepSeek's released V4.1 table (encoding/encoding.py of the checkpoint, and vLLM 0.33.0): None is ``high``."""
+
+
+@pytest.mark.parametrize(("effort", "value"), RELEASED_EFFORTS)
 def test_effort_value_maps_named_and_integer_efforts(effort: str | int | None, value: int) -> None:
     assert effort_value(effort) == value
+
+
+@pytest.mark.parametrize(("effort", "value"), RELEASED_EFFORTS)
+def test_golden_prompt_for_each_effort(effort: str | int | None, value: int) -> None:
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    prompt = encode_messages(messages, thinking=True, reasoning_effort=effort)
+    assert prompt == (
+        f"<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: {value} (range 1-100, the higher the value, "
+        "the more thorough the reasoning)\n\nS<｜User｜>Hi<｜Assistant｜><think>"
+    )
 
 
 @pytest.mark.parametrize("effort", ["medium", "minimal", "none", "HIGH", 0, 101, -5, True, 50.0, "50"])
@@ -788,7 +799,7 @@ def test_latest_reminder_follows_the_assistant_header() -> None:
     messages = [{"role": "user", "content": "Q"}, {"role": "latest_reminder", "content": "today is Monday"}]
     prompt = encode_messages(messages, thinking=True)
     assert prompt == (
-        B + "<｜System｜>" + EFFORT_50 + "<｜User｜>Q<｜Assistant｜><think><｜latest_reminder｜>today is Monday"
+        B + "<｜System｜>" + EFFORT_75 + "<｜User｜>Q<｜Assistant｜><think><｜latest_reminder｜>today is Monday"
     )
     assert prompt_ends_in_thinking(prompt)
 
@@ -811,7 +822,7 @@ def test_latest_reminder_before_assistant_is_kept_in_history() -> None:
 
 def test_add_generation_prompt_false_ends_after_last_user_turn() -> None:
     prompt = encode_messages([{"role": "user", "content": "Q"}], thinking=True, add_generation_prompt=False)
-    assert prompt == B + "<｜System｜>" + EFFORT_50 + "<｜User｜>Q"
+    assert prompt == B + "<｜System｜>" + EFFORT_75 + "<｜User｜>Q"
 
 
 def test_add_bos_false_omits_bos() -> None:
@@ -831,7 +842,7 @@ def test_continue_final_message_with_content_omits_eos_and_closes_reasoning() ->
         {"role": "assistant", "content": "The answer", "reasoning_content": "r"},
     ]
     prompt = encode_messages(messages, thinking=True, continue_final_message=True)
-    assert prompt == B + "<｜System｜>" + EFFORT_50 + "<｜User｜>Q<｜Assistant｜><think>r</think>The answer"
+    assert prompt == B + "<｜System｜>" + EFFORT_75 + "<｜User｜>Q<｜Assistant｜><think>r</think>The answer"
     assert not prompt_ends_in_thinking(prompt)
 
 
