@@ -442,10 +442,16 @@ def _sort_tool_results(turn: _Turn, calls: tuple[ToolCall, ...]) -> _Turn:
 
 
 def _last_user_index(turns: Sequence[_Turn]) -> int:
-    """Index of the last user/developer turn or mid-conversation system message, -1 when there is none."""
+    """Index of the last user/developer turn or mid-conversation system message, -1 when there is none.
+
+    A user turn made only of tool results does not count: it continues the assistant's turn rather than
+    starting a new one (DeepSeek's released encoder), so the reasoning of the calls it answers is kept.
+    """
     for idx in range(len(turns) - 1, -1, -1):
-        role = turns[idx].role
-        if role in ("user", "developer") or (role == "system" and idx > 0):
+        turn = turns[idx]
+        if turn.role == "user" and turn.blocks and all(block.kind == "tool_result" for block in turn.blocks):
+            continue
+        if turn.role in ("user", "developer") or (turn.role == "system" and idx > 0):
             return idx
     return -1
 

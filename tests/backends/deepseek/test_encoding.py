@@ -328,6 +328,29 @@ def test_drop_thinking_drops_developer_messages_and_reasoning_before_last_user_t
     assert "D1" not in prompt and "r1" not in prompt
 
 
+def test_a_user_turn_of_tool_results_only_is_not_the_last_user_turn() -> None:
+    """DeepSeek's released encoder: tool results continue the assistant's turn, so with thinking dropped the
+    reasoning of the calls they answer stays, and the calls' turn is opened with ``<think>``."""
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "reasoning_content": "R", "tool_calls": [call("c1", "f", {"q": "x"})]},
+        {"role": "tool", "tool_call_id": "c1", "content": "res"},
+    ]
+    prompt = encode_messages(messages, thinking=True)
+    assert prompt == (
+        B
+        + "<｜System｜>"
+        + EFFORT_75
+        + '<｜User｜>go<｜Assistant｜><think>R</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+        + '<｜DSML｜ parameter name="q" string="true">x</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+        + E
+        + "<｜User｜><tool_result>res</tool_result><｜Assistant｜><think>"
+    )
+    # A user message after the results makes that merged turn a user turn again: the earlier reasoning goes.
+    later = encode_messages([*messages, {"role": "user", "content": "more"}], thinking=True)
+    assert "R</think>" not in later and later.endswith("<tool_result>res</tool_result>\n\nmore<｜Assistant｜><think>")
+
+
 def test_drop_thinking_keeps_developer_message_that_is_the_last_user_turn() -> None:
     messages = [
         {"role": "user", "content": "A"},
@@ -746,6 +769,8 @@ def test_unsupported_content_part_raises_value_error() -> None:
 
 
 def test_none_content_renders_as_empty() -> None:
+    """DeepSeek's encoder fails on a null user content (a TypeError); the API refuses it first (400, OpenAI's
+    rule), and the encoder renders it as empty for callers inside the gateway."""
     assert (
         encode_messages([{"role": "user", "content": None}], thinking=False) == B + "<｜User｜><｜Assistant｜></think>"
     )
@@ -762,7 +787,12 @@ def test_developer_message_without_content_raises_value_error() -> None:
 
 
 def test_developer_message_with_empty_text_is_encoded_like_an_empty_system_message() -> None:
-    assert encode_messages([{"role": "developer", "content": ""}], thinking=False)
+    """Deliberate difference from DeepSeek's encoder, which asserts on it: OpenAI accepts an empty developer
+    message (an agent with empty instructions sends one), and an empty turn changes nothing the model reads."""
+    assert (
+        encode_messages([{"role": "developer", "content": ""}], thinking=False)
+        == B + "<｜User｜><｜Assistant｜></think>"
+    )
 
 
 def test_developer_message_renders_as_user_turn() -> None:
@@ -831,9 +861,19 @@ def test_add_bos_false_omits_bos() -> None:
 
 
 def test_generation_prompt_after_final_assistant_opens_new_assistant_turn() -> None:
+    """Deliberate difference from vLLM 0.33.0's encoder, which ends such a prompt at the EOS: OpenAI answers a
+    conversation that ends with an assistant message with a new one, and the model needs a turn to write in."""
     messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}]
     prompt = encode_messages(messages, thinking=False)
     assert prompt == B + "<｜User｜>Q<｜Assistant｜></think>B" + E + "<｜Assistant｜></think>"
+
+
+def test_a_conversation_of_one_system_message_opens_an_assistant_turn() -> None:
+    """Deliberate difference from vLLM 0.33.0's encoder, which ends at the system text: OpenAI answers a request
+    made of a system message alone, so the prompt gives the model its turn."""
+    assert encode_messages([{"role": "system", "content": "S"}], thinking=False) == (
+        B + "<｜System｜>S<｜Assistant｜></think>"
+    )
 
 
 def test_continue_final_message_with_content_omits_eos_and_closes_reasoning() -> None:
@@ -847,6 +887,8 @@ def test_continue_final_message_with_content_omits_eos_and_closes_reasoning() ->
 
 
 def test_continue_final_message_reasoning_only_keeps_think_open() -> None:
+    """DeepSeek's reference encoder keeps the reasoning open; vLLM 0.33.0's copy has no continue_final_message
+    and closes it (``</think>`` + EOS): continuing the reasoning is the point of the option."""
     messages = [
         {"role": "user", "content": "Q"},
         {"role": "assistant", "content": None, "reasoning": "step 1"},
