@@ -33,7 +33,9 @@ from backends.deepseek.encoding import (
 )
 from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
 from backends.deepseek.structured import (
+    ConstraintLimitError,
     ToolSchemaError,
+    check_constraint_size,
     check_json_schema,
     response_format_so_args,
     tool_call_grammar,
@@ -80,6 +82,8 @@ class DeepSeekV41ChatTemplate:
 
         try:
             so_args = response_format_so_args(request.response_format)
+        except ConstraintLimitError as exc:
+            raise InvalidRequestError(str(exc), param=exc.path) from None
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="response_format") from None
         so_param = "response_format" if so_args is not None else None
@@ -91,10 +95,13 @@ class DeepSeekV41ChatTemplate:
             )
         single_call = request.parallel_tool_calls is False
         if forced is not None:
+            _check_forced_sizes(forced, tools)  # type: ignore[arg-type]
             try:
                 grammar = tool_call_grammar([tool["function"] for tool in forced], parallel=not single_call)
             except ToolSchemaError as exc:
                 where = f"tools[{tools.index(forced[exc.index])}].function.parameters"  # type: ignore[union-attr]
+                if exc.where:
+                    where += "." + exc.where
                 raise InvalidRequestError(f"{where}: {exc}", param=where) from None
             so_args, so_param = {"schema_type": "ebnf", "schema": grammar}, "tool_choice"
 
@@ -176,6 +183,17 @@ def _check_tool_schemas(tools: list[dict[str, Any]] | None) -> None:
                 check_json_schema(function["parameters"], where)
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), param=where) from None
+
+
+def _check_forced_sizes(forced: list[dict[str, Any]], tools: list[dict[str, Any]]) -> None:
+    """A forced call's schemas become a grammar: past the size limits they are a 400 naming where."""
+    for tool in forced:
+        parameters = tool["function"].get("parameters")
+        if parameters is not None:
+            try:
+                check_constraint_size(parameters, f"tools[{tools.index(tool)}].function.parameters")
+            except ConstraintLimitError as exc:
+                raise InvalidRequestError(str(exc), param=exc.path) from None
 
 
 def _tool_choice(

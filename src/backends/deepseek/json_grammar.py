@@ -11,24 +11,29 @@ xgrammar's strict mode:
 - objects: declared ``properties`` in declaration order, ``required`` ones always, others at most once; no other
   keys unless ``additionalProperties`` allows them (an object that declares no properties allows any);
 - arrays: ``items``, ``prefixItems``, ``minItems`` / ``maxItems`` (an array without ``items`` holds any JSON);
-- strings: ``minLength`` / ``maxLength`` (in characters, an escape counts as one);
+- strings: ``minLength`` / ``maxLength`` (in characters, an escape counts as one), ``pattern`` and the
+  ``format``s of ``regex_grammar.FORMATS`` (``regex_grammar``);
 - integers and numbers: ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (a bounded
-  number is written without an exponent, with at most 16 decimals).
+  number is written without an exponent, with at most 16 decimals; bounds of at most ``MAX_BOUND_DIGITS``
+  digits).
 
-Not compiled (the value is only as constrained as its other keywords make it): ``pattern``, ``format``,
-``multipleOf``, ``not``, ``if``/``then``/``else``, ``uniqueItems``, ``contains``, ``patternProperties``,
-``dependent*``, ``min/maxProperties``. A schema that nothing satisfies (``false``, an empty integer range)
-raises ``ValueError``.
+Refused with ``ValueError`` (a 400 naming the parameter), rather than silently unenforced: ``multipleOf``,
+``minProperties`` / ``maxProperties``, ``pattern`` or ``format`` together with ``minLength`` / ``maxLength``,
+larger bounds. Not compiled, and documented as such (the value is only as constrained as its other keywords
+make it): other ``format``s, ``not``, ``if``/``then``/``else``, ``uniqueItems``, ``contains``,
+``patternProperties``, ``dependent*``. A schema that nothing satisfies (``false``, an empty integer range) raises
+``ValueError``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from backends.deepseek.arguments import pointer
+from backends.deepseek.gbnf import alternatives, class_char, json_literal, literal, repeat, text_literal
+from backends.deepseek.regex_grammar import string_shape
 
 BASE_RULES = (
     'json-string ::= "\\"" json-char* "\\""',
@@ -40,6 +45,13 @@ BASE_RULES = (
     'ws ::= " "?',
 )
 """Rules every compiled schema may use, defined once per grammar (with ``json_value_rules``)."""
+
+MAX_BOUND_DIGITS = 20
+"""Numeric bounds up to 10**20 (every 64-bit integer) are compiled; a larger one is refused, as its digit-by-digit
+rules would grow with it (and a bound near 10**1500 is no bound a tool means)."""
+
+REFUSED_KEYWORDS = ("multipleOf", "minProperties", "maxProperties")
+"""Keywords a forced call cannot enforce in GBNF here: refused (400) rather than silently ignored."""
 
 JSON_DEPTH = 4
 """Nesting depth of free-form JSON (``{}``, arrays without ``items``). Bounded so its rules are non-recursive:
@@ -70,65 +82,6 @@ def json_value_rules(depth: int = JSON_DEPTH) -> list[str]:
     ]
 
 
-def literal(text: str) -> str:
-    """A GBNF string literal for ``text``."""
-    out = ['"']
-    for ch in text:
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ord(ch) < 0x20:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)
-
-
-def json_literal(value: Any) -> str:
-    """GBNF for exactly ``value`` as JSON, character by character (see ``text_literal``)."""
-    return text_literal(json.dumps(value, ensure_ascii=False))
-
-
-def text_literal(text: str) -> str:
-    """GBNF for exactly ``text``, one literal per character.
-
-    The reference engine translates GBNF for a lexer that takes the longest match and does not back off: a
-    constant written as one literal would win over a free value that the same text begins (``"a"`` against the
-    string ``"ab"``, ``-13`` against the number ``-12``) and cut that alternative off. Single characters are as
-    long as the free value's characters, so both stay open.
-    """
-    return " ".join(literal(ch) for ch in text) if text else '""'
-
-
-def _class_char(ch: str) -> str:
-    """``ch`` written inside a GBNF character class."""
-    if ch in "]\\^-[":
-        return "\\" + ch
-    return literal(ch)[1:-1]
-
-
-def repeat(item: str, low: int, high: int | None) -> str:
-    """``item`` repeated ``low`` to ``high`` times (None: no upper bound); ``""`` for none at all."""
-    if high == 0:
-        return '""'
-    return f"{item}{{{low},{'' if high is None else high}}}"
-
-
-def alternatives(options: list[str]) -> str:
-    """``(a | b | c)``, or the single option itself."""
-    if len(options) == 1:
-        return options[0]
-    return "(" + " | ".join(options) + ")"
-
-
 class SchemaGrammar:
     """Compiles the sub-schemas of one root schema into GBNF rules named ``{prefix}-...``.
 
@@ -154,6 +107,9 @@ class SchemaGrammar:
             return self._ref(schema["$ref"])
         if "allOf" in schema:
             return self.value(self.merged(schema))
+        refused = next((key for key in REFUSED_KEYWORDS if key in schema), None)
+        if refused is not None:
+            raise ValueError(f"{refused} is not supported in a forced tool call (use tool_choice 'auto')")
         if "const" in schema:
             return json_literal(schema["const"])
         if isinstance(schema.get("enum"), list):
@@ -255,6 +211,9 @@ class SchemaGrammar:
         raise ValueError(f"unknown type {kind!r}")
 
     def _string(self, schema: Mapping[str, Any]) -> str:
+        shaped = string_shape(schema, "json")
+        if shaped is not None:
+            return f'"\\"" {shaped} "\\""'
         low, high = schema.get("minLength", 0), schema.get("maxLength")
         if not low and high is None:
             return "json-string"
@@ -329,7 +288,7 @@ class SchemaGrammar:
             children = [ch for ch in node if ch]
             options = [] if "" in node else ['""']
             options += [f"{literal(ch)} {rule(node[ch])}" for ch in children]
-            options.append(f'[^{"".join(_class_char(ch) for ch in children)}"\\\\\\x00-\\x1f] json-char*')
+            options.append(f'[^{"".join(class_char(ch) for ch in children)}"\\\\\\x00-\\x1f] json-char*')
             options.append('"\\\\" (["\\\\/bfnrt] | "u" hex hex hex hex) json-char*')
             return self._rule(" | ".join(options))
 
@@ -395,7 +354,14 @@ def integer_bounds(schema: Mapping[str, Any]) -> tuple[int | None, int | None]:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A usable bound; raises ``ValueError`` for one too large to compile (``MAX_BOUND_DIGITS``)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if abs(value) >= 10**MAX_BOUND_DIGITS:
+        raise ValueError(f"a bound of {MAX_BOUND_DIGITS} digits or more is not supported in a forced tool call")
+    return True
 
 
 def integer_range(low: int | None, high: int | None) -> str:
