@@ -35,8 +35,18 @@ from backends.deepseek.arguments import pointer
 from backends.deepseek.gbnf import alternatives, class_char, json_literal, literal, repeat, text_literal
 from backends.deepseek.regex_grammar import string_shape
 
+JSON_CHAR_THEN = '[^"\\\\\\x00-\\x1f] {next} | "\\\\" (["\\\\/bfnrt] | "u" hex hex hex hex) {next}'
+"""One character of a JSON string, then ``next``: ``json-char`` spelled out in each alternative (xgrammar masks the
+tokens of a right-recursive string in microseconds only when the character class is not a rule of its own)."""
+
 BASE_RULES = (
     'json-string ::= "\\"" json-char* "\\""',
+    # A string value of a schema: the rest up to its closing quote is right-recursive, the quote inside. xgrammar
+    # then masks its tokens in microseconds (with `json-char* "\""` a token such as `",` needs the parent's
+    # context: about 10 ms a token); llguidance is as fast. Free-form JSON keeps `json-string`: non-recursive, it
+    # stays one lexeme for llguidance (JSON_DEPTH).
+    'json-text ::= "\\"" json-string-rest',
+    'json-string-rest ::= "\\"" | ' + JSON_CHAR_THEN.format(next="json-string-rest"),
     'json-char ::= [^"\\\\\\x00-\\x1f] | "\\\\" (["\\\\/bfnrt] | "u" hex hex hex hex)',
     "hex ::= [0-9a-fA-F]",
     'json-number ::= json-int ("." [0-9]+)? ([eE] [-+]? [0-9]+)?',
@@ -52,6 +62,10 @@ rules would grow with it (and a bound near 10**1500 is no bound a tool means).""
 
 REFUSED_KEYWORDS = ("multipleOf", "minProperties", "maxProperties")
 """Keywords a forced call cannot enforce in GBNF here: refused (400) rather than silently ignored."""
+
+STRING_CHAIN = 256
+"""Strings bounded by ``maxLength`` up to this many characters compile to a chain of one rule per character (fast
+masks under xgrammar, as ``json-string-rest``); longer bounds use a plain repeat."""
 
 JSON_DEPTH = 4
 """Nesting depth of free-form JSON (``{}``, arrays without ``items``). Bounded so its rules are non-recursive:
@@ -94,6 +108,7 @@ class SchemaGrammar:
         self.prefix = prefix
         self.rules = rules
         self._refs: dict[str, str] = {}
+        self._chains: set[str] = set()
         self._count = 0
 
     def value(self, schema: Any) -> str:
@@ -216,10 +231,30 @@ class SchemaGrammar:
             return f'"\\"" {shaped} "\\""'
         low, high = schema.get("minLength", 0), schema.get("maxLength")
         if not low and high is None:
-            return "json-string"
+            return "json-text"
         if high is not None and high < low:
             raise ValueError("maxLength is below minLength: no string fits")
-        return f'"\\"" {repeat("json-char", low, high)} "\\""'
+        return f'"\\"" {self._string_rest(low, None if high is None else high - low)}'
+
+    def _string_rest(self, least: int, most: int | None) -> str:
+        """The rest of a string, ``least`` characters then at most ``most`` more (None: any), and its closing quote:
+        a chain of right-recursive rules (see ``json-string-rest``) up to ``STRING_CHAIN`` characters, a plain
+        repeat past it."""
+        if least == 0 and most is None:
+            return "json-string-rest"
+        if least + (most or 0) > STRING_CHAIN:
+            return f'{repeat("json-char", least, None if most is None else least + most)} "\\""'
+        name = f"{self.prefix}-s{least}-{'' if most is None else most}"
+        if name not in self._chains:
+            self._chains.add(name)
+            if least:
+                body = JSON_CHAR_THEN.format(next=self._string_rest(least - 1, most))
+            elif most == 0:
+                body = '"\\""'
+            else:
+                body = '"\\"" | ' + JSON_CHAR_THEN.format(next=self._string_rest(0, None if most is None else most - 1))
+            self._rule(body, name)
+        return name
 
     def _integer(self, schema: Mapping[str, Any]) -> str:
         low, high = integer_bounds(schema)

@@ -264,21 +264,28 @@ def _contains(ranges: list[tuple[int, int]], code: int) -> bool:
 
 
 def _class_body(ranges: list[tuple[int, int]]) -> str:
-    """The inside of a GBNF character class for the given code point ranges (surrogates left out: not text)."""
-    parts = []
-    for low, high in _subtract(ranges, [(0xD800, 0xDFFF)]):
+    """The inside of a GBNF character class for the given code point ranges, written so that xgrammar and
+    llguidance's GBNF reader both read it alike: ``-`` first and unescaped, ``^`` never first, ASCII control
+    characters as ``\\xHH`` escapes at the end only (xgrammar reads any hex digits after ``\\x``), every other
+    character as itself; surrogates are left out (they are not text)."""
+    ranges = _subtract(ranges, [(0xD800, 0xDFFF)])
+    dash = _contains(ranges, 0x2D)
+    caret = _contains(ranges, 0x5E)
+    controls = _merge([(max(a, 0), min(b, 0x1F)) for a, b in ranges if a <= 0x1F])
+    if _contains(ranges, 0x7F):
+        controls.append((0x7F, 0x7F))
+    plain = _subtract(ranges, [(0x00, 0x1F), (0x2D, 0x2D), (0x5E, 0x5E), (0x7F, 0x7F)])
+    parts = ["-"] if dash else []
+    for low, high in plain:
         parts.append(_class_char(low) if low == high else f"{_class_char(low)}-{_class_char(high)}")
+    if caret:
+        parts.append("^" if parts else "\\x5e")
+    for low, high in controls:
+        parts.append(f"\\x{low:02x}" if low == high else f"\\x{low:02x}-\\x{high:02x}")
     return "".join(parts)
 
 
 def _class_char(code: int) -> str:
-    """``chr(code)`` inside a class; the class's own syntax characters as hex escapes (llguidance's GBNF reader
-    takes ``\\x2d`` but not ``\\-``)."""
+    """A character inside a class other than ``-``, ``^`` and ASCII controls (see ``_class_body``)."""
     ch = chr(code)
-    if ch in "]\\^-[" or code < 0x20 or code == 0x7F:
-        return f"\\x{code:02x}"
-    if code > 0xFFFF:
-        return f"\\U{code:08x}"
-    if code > 0x7E and not ch.isprintable():
-        return f"\\u{code:04x}"
-    return ch
+    return "\\" + ch if ch in "]\\[" else ch

@@ -380,7 +380,7 @@ def _raw_value(grammar: SchemaGrammar, schema: Any) -> str | None:
 
 
 _SHARED_RULES = [
-    'dsml-string ::= ([^<] | "<"+ [^</])*',
+    'dsml-string ::= [^<]* ("<"+ [^</] [^<]*)*',  # no "</", no trailing "<"; one run per piece: xgrammar masks it in us
     "dsml-char ::= [^<]",
     *BASE_RULES,
     *json_value_rules(),
