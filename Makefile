@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed-dev
 
-.PHONY: serve test lint format install bench clean
+.PHONY: serve test explore lint format install bench clean
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ lint: $(INSTALLED)
 
 test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The property and fuzz tests with fresh random examples (`make test` draws the same ones every run).
+explore: $(INSTALLED)
+	HYPOTHESIS_PROFILE=explore $(BIN)/pytest -p no:cacheprovider $(PYTEST_ARGS) $(shell grep -rl --include='test_*.py' 'from hypothesis' tests)
 
 format: $(INSTALLED)
 	$(BIN)/ruff check --fix src tests bench

@@ -10,6 +10,7 @@ is read from outside the repository.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -42,6 +43,12 @@ REQUIRED_NULLABLE: dict[str, list[str]] = {
 }
 """Fields the API reference requires (with null allowed) where the package's models default them to None."""
 
+NULL_FIRST: dict[str, list[str]] = {
+    "CreateCompletionResponse": ["choices[].logprobs.token_logprobs", "choices[].logprobs.top_logprobs"],
+}
+"""Arrays whose first entry OpenAI's API sends as null where the package types it as a number or an object: under
+``echo`` the first prompt token has no logprob (nothing precedes it), as OpenAI's legacy completions answer."""
+
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:
     """The schema with every ``$ref`` replaced by a copy of its definition (the response types are not
@@ -72,35 +79,57 @@ def _arrays(node: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _require(schema: dict[str, Any], path: str) -> None:
     """Adds the last field of ``path`` (``choices[].message.refusal``) to the ``required`` list of its object."""
-    *parents, field = path.split(".")
-    nodes = [schema]
-    for part in parents:
-        name, is_array = part.removesuffix("[]"), part.endswith("[]")
-        nodes = [obj["properties"][name] for node in nodes for obj in _objects(node) if name in obj["properties"]]
-        if is_array:
-            nodes = [items for node in nodes for items in _arrays(node)]
-    name, is_array = field.removesuffix("[]"), field.endswith("[]")
+    parents, _, field = path.rpartition(".")
+    nodes = _nodes(schema, parents) if parents else [schema]
     found = False
     for node in nodes:
         for obj in _objects(node):
-            if name in obj["properties"]:
-                obj["required"] = sorted({*obj.get("required", ()), name})
+            if field in obj["properties"]:
+                obj["required"] = sorted({*obj.get("required", ()), field})
                 found = True
     if not found:
         raise KeyError(f"{path} is not in the schema: the openai package's types changed")
 
 
-def _schema(model: type[BaseModel], required: list[str]) -> dict[str, Any]:
+def _nodes(schema: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """The schemas of the field at ``path`` (``choices[].logprobs.top_logprobs``), in every branch that has it."""
+    nodes = [schema]
+    for part in path.split("."):
+        name, is_array = part.removesuffix("[]"), part.endswith("[]")
+        nodes = [obj["properties"][name] for node in nodes for obj in _objects(node) if name in obj["properties"]]
+        if is_array:
+            nodes = [items for node in nodes for items in _arrays(node)]
+    if not nodes:
+        raise KeyError(f"{path} is not in the schema: the openai package's types changed")
+    return nodes
+
+
+def _null_first(schema: dict[str, Any], path: str) -> None:
+    """Lets the first entry of the array at ``path`` be null (JSON Schema 2020-12 ``prefixItems``)."""
+    arrays = [branch for node in _nodes(schema, path) for branch in (node, *node.get("anyOf", ()))]
+    arrays = [node for node in arrays if node.get("type") == "array"]
+    if not arrays:
+        raise KeyError(f"{path} is not an array in the schema: the openai package's types changed")
+    for node in arrays:
+        node["prefixItems"] = [{"anyOf": [node["items"], {"type": "null"}]}]
+
+
+def _schema(model: type[BaseModel], required: Sequence[str], null_first: Sequence[str] = ()) -> dict[str, Any]:
     raw = model.model_json_schema()
     schema = _inline(raw, raw.get("$defs", {}))
     for path in required:
         _require(schema, path)
+    for path in null_first:
+        _null_first(schema, path)
     return schema
 
 
 @cache
 def _schemas() -> dict[str, dict[str, Any]]:
-    schemas = {name: _schema(model, REQUIRED_NULLABLE.get(name, [])) for name, model in RESPONSE_TYPES.items()}
+    schemas = {
+        name: _schema(model, REQUIRED_NULLABLE.get(name, []), NULL_FIRST.get(name, []))
+        for name, model in RESPONSE_TYPES.items()
+    }
     schemas["ListModelsResponse"] = {
         "type": "object",
         "required": ["object", "data"],

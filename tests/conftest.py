@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,6 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.interface import Backend
@@ -24,11 +27,17 @@ from gateway.state import GatewayState
 
 from .conformance import OpenAISchemas
 
-# CI runs the property and fuzz tests with a fixed seed, so a red CI always means a reproducible failure;
-# local runs keep exploring new examples (and keep them in the example database).
-settings.register_profile("ci", derandomize=True, database=None, deadline=None)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+# The property and fuzz tests draw the same examples on every run (derandomized, no example database), so
+# `make test` gives the same verdict every time, in any clone: a red run is a reproducible failure, never a
+# leftover of an earlier run. `make explore` (HYPOTHESIS_PROFILE=explore) draws fresh random examples instead,
+# to look for new failures; pin any it finds as an explicit test.
+# Hypothesis's own caches (the literals it collects from the code) go outside the repository, so nothing of a
+# run stays in the clone.
+if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+    set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"deepinfer-gateway-hypothesis-{os.getuid()}")
+settings.register_profile("deterministic", derandomize=True, database=None, deadline=None)
+settings.register_profile("explore", derandomize=False, database=None, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 MODEL = "deepinfer-reference"
 TINY_MODEL = "tiny-context"

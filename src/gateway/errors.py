@@ -123,8 +123,8 @@ def _json_type(value: object) -> str:
         return "a boolean"
     if isinstance(value, int):
         return "an integer"
-    if isinstance(value, float):
-        return "a number"
+    if isinstance(value, float):  # as OpenAI words it: 16.0 is an integer (JSON Schema), 16.5 a decimal number
+        return "an integer" if value.is_integer() else "a decimal number"
     if isinstance(value, str):
         return "a string"
     if isinstance(value, list):

@@ -1,10 +1,11 @@
 """lm-eval's ``local-completions`` model evaluates through the gateway, offline, with the remote tokenizer.
 
-lm-eval runs as a user runs it (its CLI, in a subprocess) on two small tasks committed next to this file: a
-multiple-choice task (loglikelihood requests: ``echo`` + ``logprobs`` over token ids) and a ``generate_until``
-task. Hub access is switched off and every non-loopback connection goes to a dead proxy, so the run passes only
-if lm-eval takes its tokenizer from ``/tokenizer_info`` + ``/tokenize`` (``tokenizer_backend=auto``). Its
-per-sample results are checked against the same questions asked of the gateway with the openai SDK.
+lm-eval runs as a user runs it (its CLI, in a subprocess) on three small tasks committed next to this file: a
+multiple-choice task (loglikelihood requests: ``echo`` + ``logprobs`` over token ids), a ``loglikelihood_rolling``
+(perplexity) task and a ``generate_until`` task. Hub access is switched off and every non-loopback connection
+goes to a dead proxy, so the run passes only if lm-eval takes its tokenizer from ``/tokenizer_info`` +
+``/tokenize`` (``tokenizer_backend=auto``). Its per-sample results are checked against the same questions asked of
+the gateway with the openai SDK.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def lm_eval_run(gateway: RunningGateway, tmp_path_factory: pytest.TempPathFactor
         "--model_args",
         model_args,
         "--tasks",
-        "gateway_choice,gateway_generate",
+        "gateway_choice,gateway_rolling,gateway_generate",
         "--include_path",
         str(TASKS),
         "--output_path",
@@ -125,3 +126,28 @@ def test_generate_until_outputs_are_the_gateways_greedy_completions(
         )
         assert sample["resps"][0][0] == completion.choices[0].text
     assert "exact_match,none" in _results(lm_eval_run)["gateway_generate"]
+
+
+def test_rolling_loglikelihood_is_the_documents_summed_prompt_logprobs_and_its_perplexity_is_finite(
+    lm_eval_run: Path, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """Word perplexity (``loglikelihood_rolling``): each document is one window here (it is shorter than the
+    context), scored after lm-eval's prefix token, the EOS; every token needs a finite logprob for the sum."""
+    samples = _samples(lm_eval_run, "gateway_rolling")
+    docs = [json.loads(line) for line in (TASKS / "gateway_rolling.jsonl").read_text().splitlines()]
+    assert len(samples) == len(docs)
+    eos = http.get("/tokenizer_info").json()["eos_token"]
+    eos_id = http.post("/tokenize", json={"prompt": eos, "add_special_tokens": False}).json()["tokens"]
+    for sample in samples:
+        text = sample["doc"]["text"]
+        ids = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        scored = client.completions.create(model=MODEL, prompt=eos_id + ids, max_tokens=0, echo=True, logprobs=0)
+        assert scored.choices[0].logprobs is not None
+        values = scored.choices[0].logprobs.token_logprobs[1:]
+        assert all(v is not None and -100.0 < v < 0.0 for v in values), values  # finite, as under a real model
+        total = float(sum(values))  # type: ignore[arg-type]
+        ((logged,),) = sample["resps"]  # one window: lm-eval's sum is that window's loglikelihood
+        assert float(logged) == pytest.approx(total, abs=1e-6)
+    results = _results(lm_eval_run)["gateway_rolling"]
+    assert 1.0 < results["word_perplexity,none"] < float("inf")
+    assert results["bits_per_byte,none"] > 0.0

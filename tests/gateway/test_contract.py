@@ -114,7 +114,9 @@ COERCED = [
     ),
     ("/v1/completions", completion(echo="true"), "echo"),
     ("/v1/completions", completion(prompt=[True]), "prompt[0]"),
-    ("/v1/completions", completion(n=1.0), "n"),
+    ("/v1/completions", completion(n=1.5), "n"),
+    ("/v1/chat/completions", chat(max_tokens=16.5), "max_tokens"),
+    ("/v1/completions", completion(prompt=[1, 2.5]), "prompt[1]"),
 ]
 
 
@@ -126,6 +128,30 @@ def test_values_of_the_wrong_type_are_invalid_type_not_coerced(
 ) -> None:
     error = assert_400(http.post(path, json=body), param, "invalid_type")
     assert f"'{param}'" in error["message"]
+
+
+WHOLE_NUMBER_FLOATS = [
+    ("/v1/chat/completions", chat(n=1.0, max_tokens=2.0, seed=7.0, top_logprobs=2.0, logprobs=True)),
+    ("/v1/chat/completions", chat(max_tokens=None, max_completion_tokens=2.0, top_k=5.0, reasoning_effort=30.0)),
+    ("/v1/completions", completion(n=1.0, max_tokens=2.0, logprobs=1.0, best_of=1.0)),
+    ("/v1/completions", completion(prompt=[0.0, 300.0, 301.0], max_tokens=1e0)),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), WHOLE_NUMBER_FLOATS, ids=["chat", "chat-more", "completions", "ids"])
+def test_whole_number_floats_are_integers_as_in_openais_json_schema(
+    http: httpx.Client, path: str, body: dict[str, Any]
+) -> None:
+    """OpenAI's spec is JSON Schema, under which 16.0 is an integer: such requests are served as with 16."""
+    response = http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    as_ints = {k: int(v) if isinstance(v, float) else v for k, v in body.items()}
+    assert len(response.json()["choices"]) == len(http.post(path, json=as_ints).json()["choices"]) == 1
+
+
+def test_a_fractional_integer_gets_openais_message(http: httpx.Client) -> None:
+    error = assert_400(http.post("/v1/chat/completions", json=chat(max_tokens=16.5)), "max_tokens", "invalid_type")
+    assert error["message"] == "Invalid type for 'max_tokens': expected an integer, but got a decimal number instead."
 
 
 # --- 4xx for valid input ----------------------------------------------------------------------------------------

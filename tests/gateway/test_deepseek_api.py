@@ -5,7 +5,9 @@ checked against OpenAI's schemas."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
@@ -39,6 +41,9 @@ MODE_TOOL = {
         },
     },
 }
+DEEP: dict[str, Any] = {"type": "integer"}
+for _ in range(200):  # 400 levels of JSON nesting: far past any model's (and the limit of 64 levels)
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 PING_TOOL = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
 SET_MODE = {"type": "function", "function": {"name": "set_mode"}}
 SCHEMA = {
@@ -302,6 +307,45 @@ def test_forced_call_arguments_validate_against_a_nested_pydantic_schema(client:
     Trip.model_validate_json(call.function.arguments)  # raises on any violation of the schema
 
 
+TICKET_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "open_ticket",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                "day": {"type": "string", "format": "date"},
+                "tag": {"type": "string", "pattern": "^#[a-z]{2,5}$"},
+            },
+            "required": ["code", "day", "tag"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_forced_call_arguments_match_the_pattern_and_format_of_their_parameters(
+    client: openai.OpenAI, seed: int
+) -> None:
+    """Before, ``pattern`` and ``format`` were not compiled: the value ran free until max_tokens and the call came
+    back as ``{}``."""
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=200,
+        seed=seed,
+        tools=[TICKET_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "open_ticket"}},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls is not None
+    arguments = json.loads(choice.message.tool_calls[0].function.arguments)
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", arguments["code"]), arguments
+    assert re.fullmatch(r"#[a-z]{2,5}", arguments["tag"]), arguments
+    datetime.date.fromisoformat(arguments["day"])  # RFC 3339 full-date; raises otherwise
+
+
 def test_sdk_parse_helper_reads_a_forced_call_into_the_pydantic_model(client: openai.OpenAI) -> None:
     reply = client.chat.completions.parse(
         model=MODEL,
@@ -495,8 +539,35 @@ BAD = [
             ],
             "tool_choice": "required",
         },
-        "tools[1].function.parameters",
+        "tools[1].function.parameters.properties.n",
         id="unsatisfiable-tool-schema",
+    ),
+    *(
+        pytest.param(
+            {"tools": [PING_TOOL, {"type": "function", "function": {"name": "f", "parameters": schema}}], **choice},
+            "tools[1].function.parameters" + where,
+            id=f"pathological-{name}-tool",
+        )
+        for name, schema, where in (
+            ("bound", {"properties": {"n": {"type": "integer", "maximum": 10**1500}}}, ".properties.n.maximum"),
+            ("nesting", {"properties": {"n": DEEP}}, ""),
+            ("enum", {"properties": {"n": {"enum": list(range(5000))}}}, ""),
+            ("multiple-of", {"properties": {"n": {"type": "integer", "multipleOf": 3}}}, ".properties.n"),
+            ("lookahead", {"properties": {"n": {"type": "string", "pattern": "^(?=a)a+$"}}}, ".properties.n"),
+        )
+        for choice in ({"tool_choice": "required"},)
+    ),
+    *(
+        pytest.param(
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            "response_format" + where,
+            id=f"pathological-{name}-format",
+        )
+        for name, schema, where in (
+            ("bound", {"properties": {"n": {"minimum": -(10**1500)}}}, ".json_schema.schema.properties.n.minimum"),
+            ("nesting", {"properties": {"n": DEEP}}, ""),
+            ("enum", {"properties": {"n": {"enum": list(range(5000))}}}, ".json_schema.schema"),
+        )
     ),
 ]
 

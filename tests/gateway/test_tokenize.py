@@ -43,6 +43,25 @@ def test_chat_tokens_are_the_prompt_the_chat_api_sends(client: openai.OpenAI, ht
     assert "<｜User｜>What does the module define?<｜Assistant｜>" in text
 
 
+def test_chat_tokens_with_a_reasoning_effort_are_the_prompt_of_that_chat_request(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    messages = [{"role": "user", "content": "What does the module define?"}]
+    for effort, number in (("low", 50), ("high", 75), (30, 30)):
+        result = tokenize(http, model=MODEL, messages=messages, reasoning_effort=effort)
+        chat = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=1,
+            extra_body={"reasoning_effort": effort},
+        )
+        assert chat.usage is not None and result["count"] == chat.usage.prompt_tokens
+        text = http.post("/detokenize", json={"model": MODEL, "tokens": result["tokens"]}).json()["prompt"]
+        assert f"Reasoning Effort: {number} (range 1-100" in text and text.endswith("<｜Assistant｜><think>")
+    bad = http.post("/tokenize", json={"messages": messages, "reasoning_effort": "medium-ish"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
+
+
 def test_detokenize_inverts_tokenize(http: httpx.Client) -> None:
     text = "Return the path — unicode too: ünïcödé, 日本語."
     ids = tokenize(http, prompt=text, add_special_tokens=False)["tokens"]
@@ -68,6 +87,7 @@ def test_bad_tokenizer_requests_are_openai_errors_naming_the_field(http: httpx.C
         ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"prompt": "x", "tools": []}, 400, "tools"),
+        ("/tokenize", {"prompt": "x", "reasoning_effort": "low"}, 400, "reasoning_effort"),
         (
             "/tokenize",
             {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},

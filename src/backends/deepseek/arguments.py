@@ -28,7 +28,7 @@ from backends.deepseek.encoding import DSML, DSML_PARAMETER_END
 _PARAMETER = re.compile(
     "<"
     + re.escape(DSML)
-    + r' parameter\s+name="([^"]+)"\s+string="(true|false)">(.*?)'
+    + r' parameter\s+name="([^"]+)"(?:\s+string="([^"]*)")?\s*>(.*?)'
     + "(?:"
     + re.escape(DSML_PARAMETER_END)
     + "|(?=<"
@@ -37,7 +37,9 @@ _PARAMETER = re.compile(
     re.DOTALL,
 )
 """One complete parameter. A value whose closing tag is missing ends at the next parameter (as in DeepSeek's
-parser); one that runs to the end of the call or of the output is unfinished and left out."""
+parser); one that runs to the end of the call or of the output is unfinished and left out. The ``string`` attribute
+may be missing (the model sometimes leaves it out): the value is then read as ``string="false"`` is, JSON or else
+text, as vLLM's V4.1 parser reads it, rather than dropping the parameter."""
 
 _UNWRAP_KEYS = ("arguments", "input")
 _TEXT_TYPES = ("null", "integer", "number", "boolean", "object", "array")

@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from backends.deepseek.effort import v41_effort
 from backends.deepseek.encoding import (
     DSML_CALLS_END,
     DSML_CALLS_START,
@@ -32,7 +33,9 @@ from backends.deepseek.encoding import (
 )
 from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
 from backends.deepseek.structured import (
+    ConstraintLimitError,
     ToolSchemaError,
+    check_constraint_size,
     check_json_schema,
     response_format_so_args,
     tool_call_grammar,
@@ -40,18 +43,6 @@ from backends.deepseek.structured import (
 from backends.engine.backend import ChatPrompt
 from backends.errors import InvalidRequestError
 from backends.interface import REQUEST_FEATURES, GenerateRequest
-
-OPENAI_EFFORTS: Mapping[str, str | None] = {
-    "none": None,
-    "minimal": None,
-    "low": "low",
-    "medium": "high",
-    "high": "high",
-    "xhigh": "xhigh",
-    "max": "max",
-}
-"""OpenAI ``reasoning_effort`` -> V4.1 effort; None means chat mode. ``medium`` is OpenAI's default and V4.1 has
-no such level, so it maps to V4.1's own default, ``high`` (50 on the 1-100 scale). Integers 1-100 pass through."""
 
 OUTPUT_MARKERS = (
     THINK_START,
@@ -91,6 +82,8 @@ class DeepSeekV41ChatTemplate:
 
         try:
             so_args = response_format_so_args(request.response_format)
+        except ConstraintLimitError as exc:
+            raise InvalidRequestError(str(exc), param=exc.path) from None
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="response_format") from None
         so_param = "response_format" if so_args is not None else None
@@ -102,10 +95,13 @@ class DeepSeekV41ChatTemplate:
             )
         single_call = request.parallel_tool_calls is False
         if forced is not None:
+            _check_forced_sizes(forced, tools)  # type: ignore[arg-type]
             try:
                 grammar = tool_call_grammar([tool["function"] for tool in forced], parallel=not single_call)
             except ToolSchemaError as exc:
                 where = f"tools[{tools.index(forced[exc.index])}].function.parameters"  # type: ignore[union-attr]
+                if exc.where:
+                    where += "." + exc.where
                 raise InvalidRequestError(f"{where}: {exc}", param=where) from None
             so_args, so_param = {"schema_type": "ebnf", "schema": grammar}, "tool_choice"
 
@@ -150,7 +146,10 @@ class DeepSeekV41ChatTemplate:
                     f"{', '.join(sorted(CHAT_TEMPLATE_KWARGS))}",
                     param=f"chat_template_kwargs.{key}",
                 )
-        effort = v41_effort(request.reasoning_effort)
+        try:
+            effort = v41_effort(request.reasoning_effort)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="reasoning_effort") from None
         if request.reasoning_effort is not None and effort is None:  # none / minimal
             return False, None
         for key in THINKING_SWITCHES:
@@ -171,20 +170,6 @@ class DeepSeekV41ChatTemplate:
         return list(ids)
 
 
-def v41_effort(effort: Any) -> str | int | None:
-    """Map an OpenAI ``reasoning_effort`` (or an integer 1-100) to V4.1's; None for none/minimal and unset."""
-    if effort is None:
-        return None
-    if isinstance(effort, int) and not isinstance(effort, bool) and 1 <= effort <= 100:
-        return effort
-    if isinstance(effort, str) and effort in OPENAI_EFFORTS:
-        return OPENAI_EFFORTS[effort]
-    raise InvalidRequestError(
-        f"invalid reasoning_effort {effort!r}: expected one of {', '.join(OPENAI_EFFORTS)} or an integer from 1 to 100",
-        param="reasoning_effort",
-    )
-
-
 def _check_tool_schemas(tools: list[dict[str, Any]] | None) -> None:
     """Each tool's ``parameters`` must be a well-formed JSON Schema: a 400 naming the tool otherwise.
 
@@ -198,6 +183,17 @@ def _check_tool_schemas(tools: list[dict[str, Any]] | None) -> None:
                 check_json_schema(function["parameters"], where)
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), param=where) from None
+
+
+def _check_forced_sizes(forced: list[dict[str, Any]], tools: list[dict[str, Any]]) -> None:
+    """A forced call's schemas become a grammar: past the size limits they are a 400 naming where."""
+    for tool in forced:
+        parameters = tool["function"].get("parameters")
+        if parameters is not None:
+            try:
+                check_constraint_size(parameters, f"tools[{tools.index(tool)}].function.parameters")
+            except ConstraintLimitError as exc:
+                raise InvalidRequestError(str(exc), param=exc.path) from None
 
 
 def _tool_choice(

@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from backends.deepseek.effort import effort_value
+
 # --- Special strings (H1) -------------------------------------------------------------------------------
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -61,27 +63,8 @@ TOOL_RESULT_END = "</tool_result>"
 
 # --- Reasoning effort (H3) ------------------------------------------------------------------------------
 
-REASONING_EFFORTS: Mapping[str, int] = {"low": 25, "high": 50, "xhigh": 75, "max": 100}
-"""Named efforts accepted by V4.1. OpenAI's ``minimal`` and ``medium`` are deliberately absent."""
-
-DEFAULT_REASONING_EFFORT = "high"
-
 EFFORT_PREFIX_TEMPLATE = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
-
-
-def effort_value(effort: str | int | None) -> int:
-    """Map a request's ``reasoning_effort`` to the 1-100 number printed in the prompt (None means high)."""
-    if effort is None:
-        return REASONING_EFFORTS[DEFAULT_REASONING_EFFORT]
-    if isinstance(effort, int) and not isinstance(effort, bool):
-        if 1 <= effort <= 100:
-            return effort
-    elif isinstance(effort, str) and effort in REASONING_EFFORTS:
-        return REASONING_EFFORTS[effort]
-    raise ValueError(
-        f"invalid reasoning_effort {effort!r}: expected one of 'low', 'high', 'xhigh', 'max' "
-        "or an integer from 1 to 100"
-    )
+"""Printed at the top of a thinking-mode prompt; the number comes from ``effort.effort_value`` (released table)."""
 
 
 # --- Fixed prompt sections (H3, H5) ---------------------------------------------------------------------
@@ -459,10 +442,16 @@ def _sort_tool_results(turn: _Turn, calls: tuple[ToolCall, ...]) -> _Turn:
 
 
 def _last_user_index(turns: Sequence[_Turn]) -> int:
-    """Index of the last user/developer turn or mid-conversation system message, -1 when there is none."""
+    """Index of the last user/developer turn or mid-conversation system message, -1 when there is none.
+
+    A user turn made only of tool results does not count: it continues the assistant's turn rather than
+    starting a new one (DeepSeek's released encoder), so the reasoning of the calls it answers is kept.
+    """
     for idx in range(len(turns) - 1, -1, -1):
-        role = turns[idx].role
-        if role in ("user", "developer") or (role == "system" and idx > 0):
+        turn = turns[idx]
+        if turn.role == "user" and turn.blocks and all(block.kind == "tool_result" for block in turn.blocks):
+            continue
+        if turn.role in ("user", "developer") or (turn.role == "system" and idx > 0):
             return idx
     return -1
 

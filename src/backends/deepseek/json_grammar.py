@@ -11,27 +11,42 @@ xgrammar's strict mode:
 - objects: declared ``properties`` in declaration order, ``required`` ones always, others at most once; no other
   keys unless ``additionalProperties`` allows them (an object that declares no properties allows any);
 - arrays: ``items``, ``prefixItems``, ``minItems`` / ``maxItems`` (an array without ``items`` holds any JSON);
-- strings: ``minLength`` / ``maxLength`` (in characters, an escape counts as one);
+- strings: ``minLength`` / ``maxLength`` (in characters, an escape counts as one), ``pattern`` and the
+  ``format``s of ``regex_grammar.FORMATS`` (``regex_grammar``);
 - integers and numbers: ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (a bounded
-  number is written without an exponent, with at most 16 decimals).
+  number is written without an exponent, with at most 16 decimals; bounds of at most ``MAX_BOUND_DIGITS``
+  digits).
 
-Not compiled (the value is only as constrained as its other keywords make it): ``pattern``, ``format``,
-``multipleOf``, ``not``, ``if``/``then``/``else``, ``uniqueItems``, ``contains``, ``patternProperties``,
-``dependent*``, ``min/maxProperties``. A schema that nothing satisfies (``false``, an empty integer range)
-raises ``ValueError``.
+Refused with ``ValueError`` (a 400 naming the parameter), rather than silently unenforced: ``multipleOf``,
+``minProperties`` / ``maxProperties``, ``pattern`` or ``format`` together with ``minLength`` / ``maxLength``,
+larger bounds. Not compiled, and documented as such (the value is only as constrained as its other keywords
+make it): other ``format``s, ``not``, ``if``/``then``/``else``, ``uniqueItems``, ``contains``,
+``patternProperties``, ``dependent*``. A schema that nothing satisfies (``false``, an empty integer range) raises
+``ValueError``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from backends.deepseek.arguments import pointer
+from backends.deepseek.gbnf import alternatives, class_char, json_literal, literal, repeat, text_literal
+from backends.deepseek.regex_grammar import string_shape
+
+JSON_CHAR_THEN = '[^"\\\\\\x00-\\x1f] {next} | "\\\\" (["\\\\/bfnrt] | "u" hex hex hex hex) {next}'
+"""One character of a JSON string, then ``next``: ``json-char`` spelled out in each alternative (xgrammar masks the
+tokens of a right-recursive string in microseconds only when the character class is not a rule of its own)."""
 
 BASE_RULES = (
     'json-string ::= "\\"" json-char* "\\""',
+    # A string value of a schema: the rest up to its closing quote is right-recursive, the quote inside. xgrammar
+    # then masks its tokens in microseconds (with `json-char* "\""` a token such as `",` needs the parent's
+    # context: about 10 ms a token); llguidance is as fast. Free-form JSON keeps `json-string`: non-recursive, it
+    # stays one lexeme for llguidance (JSON_DEPTH).
+    'json-text ::= "\\"" json-string-rest',
+    'json-string-rest ::= "\\"" | ' + JSON_CHAR_THEN.format(next="json-string-rest"),
     'json-char ::= [^"\\\\\\x00-\\x1f] | "\\\\" (["\\\\/bfnrt] | "u" hex hex hex hex)',
     "hex ::= [0-9a-fA-F]",
     'json-number ::= json-int ("." [0-9]+)? ([eE] [-+]? [0-9]+)?',
@@ -40,6 +55,17 @@ BASE_RULES = (
     'ws ::= " "?',
 )
 """Rules every compiled schema may use, defined once per grammar (with ``json_value_rules``)."""
+
+MAX_BOUND_DIGITS = 20
+"""Numeric bounds up to 10**20 (every 64-bit integer) are compiled; a larger one is refused, as its digit-by-digit
+rules would grow with it (and a bound near 10**1500 is no bound a tool means)."""
+
+REFUSED_KEYWORDS = ("multipleOf", "minProperties", "maxProperties")
+"""Keywords a forced call cannot enforce in GBNF here: refused (400) rather than silently ignored."""
+
+STRING_CHAIN = 256
+"""Strings bounded by ``maxLength`` up to this many characters compile to a chain of one rule per character (fast
+masks under xgrammar, as ``json-string-rest``); longer bounds use a plain repeat."""
 
 JSON_DEPTH = 4
 """Nesting depth of free-form JSON (``{}``, arrays without ``items``). Bounded so its rules are non-recursive:
@@ -70,65 +96,6 @@ def json_value_rules(depth: int = JSON_DEPTH) -> list[str]:
     ]
 
 
-def literal(text: str) -> str:
-    """A GBNF string literal for ``text``."""
-    out = ['"']
-    for ch in text:
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ord(ch) < 0x20:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)
-
-
-def json_literal(value: Any) -> str:
-    """GBNF for exactly ``value`` as JSON, character by character (see ``text_literal``)."""
-    return text_literal(json.dumps(value, ensure_ascii=False))
-
-
-def text_literal(text: str) -> str:
-    """GBNF for exactly ``text``, one literal per character.
-
-    The reference engine translates GBNF for a lexer that takes the longest match and does not back off: a
-    constant written as one literal would win over a free value that the same text begins (``"a"`` against the
-    string ``"ab"``, ``-13`` against the number ``-12``) and cut that alternative off. Single characters are as
-    long as the free value's characters, so both stay open.
-    """
-    return " ".join(literal(ch) for ch in text) if text else '""'
-
-
-def _class_char(ch: str) -> str:
-    """``ch`` written inside a GBNF character class."""
-    if ch in "]\\^-[":
-        return "\\" + ch
-    return literal(ch)[1:-1]
-
-
-def repeat(item: str, low: int, high: int | None) -> str:
-    """``item`` repeated ``low`` to ``high`` times (None: no upper bound); ``""`` for none at all."""
-    if high == 0:
-        return '""'
-    return f"{item}{{{low},{'' if high is None else high}}}"
-
-
-def alternatives(options: list[str]) -> str:
-    """``(a | b | c)``, or the single option itself."""
-    if len(options) == 1:
-        return options[0]
-    return "(" + " | ".join(options) + ")"
-
-
 class SchemaGrammar:
     """Compiles the sub-schemas of one root schema into GBNF rules named ``{prefix}-...``.
 
@@ -141,6 +108,7 @@ class SchemaGrammar:
         self.prefix = prefix
         self.rules = rules
         self._refs: dict[str, str] = {}
+        self._chains: set[str] = set()
         self._count = 0
 
     def value(self, schema: Any) -> str:
@@ -154,6 +122,9 @@ class SchemaGrammar:
             return self._ref(schema["$ref"])
         if "allOf" in schema:
             return self.value(self.merged(schema))
+        refused = next((key for key in REFUSED_KEYWORDS if key in schema), None)
+        if refused is not None:
+            raise ValueError(f"{refused} is not supported in a forced tool call (use tool_choice 'auto')")
         if "const" in schema:
             return json_literal(schema["const"])
         if isinstance(schema.get("enum"), list):
@@ -255,12 +226,35 @@ class SchemaGrammar:
         raise ValueError(f"unknown type {kind!r}")
 
     def _string(self, schema: Mapping[str, Any]) -> str:
+        shaped = string_shape(schema, "json")
+        if shaped is not None:
+            return f'"\\"" {shaped} "\\""'
         low, high = schema.get("minLength", 0), schema.get("maxLength")
         if not low and high is None:
-            return "json-string"
+            return "json-text"
         if high is not None and high < low:
             raise ValueError("maxLength is below minLength: no string fits")
-        return f'"\\"" {repeat("json-char", low, high)} "\\""'
+        return f'"\\"" {self._string_rest(low, None if high is None else high - low)}'
+
+    def _string_rest(self, least: int, most: int | None) -> str:
+        """The rest of a string, ``least`` characters then at most ``most`` more (None: any), and its closing quote:
+        a chain of right-recursive rules (see ``json-string-rest``) up to ``STRING_CHAIN`` characters, a plain
+        repeat past it."""
+        if least == 0 and most is None:
+            return "json-string-rest"
+        if least + (most or 0) > STRING_CHAIN:
+            return f'{repeat("json-char", least, None if most is None else least + most)} "\\""'
+        name = f"{self.prefix}-s{least}-{'' if most is None else most}"
+        if name not in self._chains:
+            self._chains.add(name)
+            if least:
+                body = JSON_CHAR_THEN.format(next=self._string_rest(least - 1, most))
+            elif most == 0:
+                body = '"\\""'
+            else:
+                body = '"\\"" | ' + JSON_CHAR_THEN.format(next=self._string_rest(0, None if most is None else most - 1))
+            self._rule(body, name)
+        return name
 
     def _integer(self, schema: Mapping[str, Any]) -> str:
         low, high = integer_bounds(schema)
@@ -329,7 +323,7 @@ class SchemaGrammar:
             children = [ch for ch in node if ch]
             options = [] if "" in node else ['""']
             options += [f"{literal(ch)} {rule(node[ch])}" for ch in children]
-            options.append(f'[^{"".join(_class_char(ch) for ch in children)}"\\\\\\x00-\\x1f] json-char*')
+            options.append(f'[^{"".join(class_char(ch) for ch in children)}"\\\\\\x00-\\x1f] json-char*')
             options.append('"\\\\" (["\\\\/bfnrt] | "u" hex hex hex hex) json-char*')
             return self._rule(" | ".join(options))
 
@@ -395,7 +389,14 @@ def integer_bounds(schema: Mapping[str, Any]) -> tuple[int | None, int | None]:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A usable bound; raises ``ValueError`` for one too large to compile (``MAX_BOUND_DIGITS``)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if abs(value) >= 10**MAX_BOUND_DIGITS:
+        raise ValueError(f"a bound of {MAX_BOUND_DIGITS} digits or more is not supported in a forced tool call")
+    return True
 
 
 def integer_range(low: int | None, high: int | None) -> str:

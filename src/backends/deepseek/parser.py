@@ -11,13 +11,15 @@ Tool calls come out as OpenAI-shaped pieces: a call's id and name as soon as its
 Building the arguments at the end of the invoke lets the unwrap rule and the string/JSON typing see every
 parameter, and costs nothing per token.
 
-States: CONTENT, REASONING, CALLS (inside ``<｜DSML｜ calls>`` between invokes), NAME, ARGS.
+States: CONTENT, REASONING, CALLS (once a call block or a call has begun, between invokes), NAME, ARGS.
 
-- CONTENT: ``<think>`` -> REASONING; a bare ``</think>`` is dropped; ``<｜DSML｜ calls>`` -> CALLS.
+- CONTENT: ``<think>`` -> REASONING; a bare ``</think>`` is dropped; ``<｜DSML｜ calls>`` -> CALLS; an
+  ``<｜DSML｜ invoke name="`` without the calls wrapper -> NAME (it is a call, as in DeepSeek's parser).
 - REASONING: ``<think>`` is dropped; ``</think>`` -> CONTENT; ``<｜DSML｜ calls>`` -> CALLS (ends reasoning).
-- CALLS: ``<｜DSML｜ invoke name="`` -> NAME; ``</｜DSML｜ calls>`` -> CONTENT; anything else is dropped.
+- CALLS: ``<｜DSML｜ invoke name="`` -> NAME; anything else, ``</｜DSML｜ calls>`` and text after it included, is
+  dropped: the calls end the turn (V4.1 writes EOS there; DeepSeek's parser rejects text after the block).
 - NAME: ``">`` -> ARGS (the call starts; its name is stripped, and a call with an empty name is dropped).
-- ARGS: ``</｜DSML｜ invoke>`` -> CALLS; ``</｜DSML｜ calls>`` -> CONTENT.
+- ARGS: ``</｜DSML｜ invoke>`` or ``</｜DSML｜ calls>`` -> CALLS.
 
 With tool parsing on, content that is only whitespace is held until something else arrives: if a tool call comes
 first it is dropped (chat-mode calls start with ``\\n\\n<｜DSML｜ calls>``), so such a message has no content.
@@ -43,6 +45,7 @@ from backends.interface import ToolCallDelta
 _CONTENT, _REASONING, _CALLS, _NAME, _ARGS = range(5)
 
 _NAME_END = '">'
+_CALL_OPENINGS = (DSML_CALLS_START, DSML_INVOKE_START)
 
 
 class ParsedText(NamedTuple):
@@ -88,6 +91,7 @@ class DeepSeekV41OutputParser:
         "_buf",
         "_call_emitted",
         "_content_started",
+        "_content_tags",
         "_emitted_calls",
         "_literal",
         "_max_calls",
@@ -98,9 +102,9 @@ class DeepSeekV41OutputParser:
         "_out_content",
         "_out_reasoning",
         "_pending_ws",
+        "_reasoning_tags",
         "_scan_from",
         "_state",
-        "_tags",
         "_tools",
     )
 
@@ -115,9 +119,10 @@ class DeepSeekV41OutputParser:
     ) -> None:
         self._state = _REASONING if in_reasoning else _CONTENT
         self._tools = tools
-        self._tags: tuple[str, ...] = (
+        self._reasoning_tags: tuple[str, ...] = (
             (THINK_START, THINK_END, DSML_CALLS_START) if tools is not None else (THINK_START, THINK_END)
         )
+        self._content_tags = (*self._reasoning_tags, DSML_INVOKE_START) if tools is not None else self._reasoning_tags
         self._max_calls = max_calls
         self._literal = literal_content and tools is None
         self._new_id = new_id
@@ -164,8 +169,8 @@ class DeepSeekV41OutputParser:
         so is the start of a call block, ``<｜DSML…``, cut before its tag was complete)."""
         state, buf = self._state, self._buf
         self._buf = ""
-        if state in (_CONTENT, _REASONING) and len(buf) > 1 and DSML_CALLS_START.startswith(buf):
-            buf = ""  # a call block cut short after its first characters: markup, not text
+        if state in (_CONTENT, _REASONING) and len(buf) > 1 and any(tag.startswith(buf) for tag in _CALL_OPENINGS):
+            buf = ""  # a call block (or call) cut short after its first characters: markup, not text
         if state == _CONTENT:
             self._content(buf)
         elif state == _REASONING:
@@ -214,9 +219,10 @@ class DeepSeekV41OutputParser:
                 self._buf = ""
                 return
             if state in (_CONTENT, _REASONING):
-                at, tag = _earliest(buf, self._tags)
+                tags = self._content_tags if state == _CONTENT else self._reasoning_tags
+                at, tag = _earliest(buf, tags)
                 if tag is None:
-                    keep = _partial_tag_start(buf, self._tags)
+                    keep = _partial_tag_start(buf, tags)
                     self._emit_text(buf[:keep])
                     self._buf = buf[keep:]
                     return
@@ -226,17 +232,17 @@ class DeepSeekV41OutputParser:
                     self._state = _REASONING
                 elif tag == THINK_END:
                     self._state = _CONTENT
-                else:  # DSML calls block
-                    self._state = _CALLS
+                else:  # a DSML calls block, or a call written without it
+                    self._state = _CALLS if tag == DSML_CALLS_START else _NAME
                     if not self._content_started:
                         self._pending_ws = ""
             elif state == _CALLS:
-                at, tag = _earliest(buf, (DSML_INVOKE_START, DSML_CALLS_END))
-                if tag is None:
-                    self._buf = buf[_partial_tag_start(buf, (DSML_INVOKE_START, DSML_CALLS_END)) :]
+                at = buf.find(DSML_INVOKE_START)
+                if at < 0:
+                    self._buf = buf[_partial_tag_start(buf, (DSML_INVOKE_START,)) :]
                     return
-                self._buf = buf[at + len(tag) :]
-                self._state = _NAME if tag == DSML_INVOKE_START else _CONTENT
+                self._buf = buf[at + len(DSML_INVOKE_START) :]
+                self._state = _NAME
             elif state == _NAME:
                 at = buf.find(_NAME_END)
                 if at < 0:
@@ -252,7 +258,7 @@ class DeepSeekV41OutputParser:
                     return
                 self._end_call(buf[:at])
                 self._buf = buf[at + len(tag) :]
-                self._state = _CALLS if tag == DSML_INVOKE_END else _CONTENT
+                self._state = _CALLS
 
     def _emit_text(self, text: str) -> None:
         if not text:

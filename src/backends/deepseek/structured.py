@@ -28,14 +28,9 @@ from backends.deepseek.encoding import (
     DSML_PARAMETER_END,
     DSML_PARAMETER_START,
 )
-from backends.deepseek.json_grammar import (
-    BASE_RULES,
-    SchemaGrammar,
-    json_value_rules,
-    literal,
-    repeat,
-    text_literal,
-)
+from backends.deepseek.gbnf import literal, repeat, text_literal
+from backends.deepseek.json_grammar import BASE_RULES, MAX_BOUND_DIGITS, SchemaGrammar, json_value_rules
+from backends.deepseek.regex_grammar import string_shape
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "ebnf")
 """``regex`` and ``ebnf`` are this gateway's extensions: ``{"type": "regex", "regex": "..."}`` and
@@ -68,6 +63,7 @@ def response_format_so_args(response_format: Mapping[str, Any] | None) -> dict[s
             raise ValueError("response_format.json_schema must be an object with a 'name' and a 'schema'")
         schema = spec.get("schema", ANY_JSON_OBJECT)
         check_json_schema(schema, "response_format.json_schema.schema")
+        check_constraint_size(schema, "response_format.json_schema.schema")
         return {"schema_type": "json", "schema": json.dumps(schema, ensure_ascii=False)}
     if kind == "regex":
         pattern = response_format.get("regex")
@@ -108,9 +104,71 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
+MAX_SCHEMA_DEPTH = 64
+"""Nesting of objects and arrays in a schema's JSON (a nested Pydantic model uses a handful): deeper is a 400,
+checked without recursion before anything walks the schema."""
+
+MAX_SCHEMA_BYTES = 256 * 1024
+"""A constraint's schema (a ``json_schema`` format, or one forced tool's ``parameters``) as JSON text."""
+
+MAX_BOUND = 10**MAX_BOUND_DIGITS
+"""Numeric bounds must be below this (``json_grammar.MAX_BOUND_DIGITS``), in every constraint."""
+
+MAX_ENUM_VALUES = 1000
+"""``enum`` values in one constraint's schema, OpenAI's own limit for structured outputs."""
+
+
 def check_json_schema(schema: Any, path: str = "schema") -> None:
     """Raise ``ValueError`` (with the path of the problem) if ``schema`` is not a well-formed JSON Schema."""
+    _check_depth(schema, path)
     _check_schema(schema, path, schema)
+
+
+class ConstraintLimitError(ValueError):
+    """A schema past a limit of ``check_constraint_size``; ``path`` is where (for the error's ``param``)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+def check_constraint_size(schema: Any, path: str) -> None:
+    """Raise ``ValueError`` (with the path of the problem) if ``schema`` (well-formed) is too large to compile
+    into a constraint: the limits keep a grammar's compile time bounded (docs/deepseek.md)."""
+    size = len(json.dumps(schema, ensure_ascii=False))
+    if size > MAX_SCHEMA_BYTES:
+        message = f"the schema is {size} bytes of JSON; a constraint's schema may have at most {MAX_SCHEMA_BYTES}"
+        raise ConstraintLimitError(path, message)
+    values = 0
+    pending: list[tuple[Any, str]] = [(schema, path)]
+    while pending:
+        node, where = pending.pop()
+        if isinstance(node, Mapping):
+            if isinstance(node.get("enum"), list):
+                values += len(node["enum"])
+            for key in _NUMBERS:
+                bound = node.get(key)
+                if isinstance(bound, int | float) and not isinstance(bound, bool) and abs(bound) >= MAX_BOUND:
+                    raise ConstraintLimitError(
+                        f"{where}.{key}", f"too large: bounds must be below 10**{MAX_BOUND_DIGITS}"
+                    )
+            pending.extend((child, f"{where}.{key}") for key, child in node.items() if isinstance(child, dict | list))
+        elif isinstance(node, list):
+            pending.extend((child, f"{where}[{i}]") for i, child in enumerate(node) if isinstance(child, dict | list))
+    if values > MAX_ENUM_VALUES:
+        message = f"the schema has {values} enum values; a constraint's schema may have at most {MAX_ENUM_VALUES}"
+        raise ConstraintLimitError(path, message)
+
+
+def _check_depth(schema: Any, path: str) -> None:
+    pending: list[tuple[Any, int]] = [(schema, 0)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, Mapping | list):
+            if depth >= MAX_SCHEMA_DEPTH:
+                raise ValueError(f"{path} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep")
+            children = node.values() if isinstance(node, Mapping) else node
+            pending.extend((child, depth + 1) for child in children)
 
 
 def _check_schema(schema: Any, path: str, root: Any) -> None:
@@ -198,11 +256,19 @@ def _check_ref(ref: Any, path: str, root: Any) -> None:
 
 
 class ToolSchemaError(ValueError):
-    """A tool's ``parameters`` schema cannot be compiled; ``index`` is the tool's position in ``functions``."""
+    """A tool's ``parameters`` schema cannot be compiled; ``index`` is the tool's position in ``functions``, and
+    ``where`` the path of the part that cannot, below ``parameters`` (``properties.city``; "" for the whole)."""
 
-    def __init__(self, index: int, message: str) -> None:
+    def __init__(self, index: int, message: str, where: str = "") -> None:
         super().__init__(message)
         self.index = index
+        self.where = where
+
+
+class _ParameterError(ValueError):
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def tool_call_grammar(functions: Sequence[Mapping[str, Any]], *, parallel: bool) -> str:
@@ -229,6 +295,8 @@ def tool_call_grammar(functions: Sequence[Mapping[str, Any]], *, parallel: bool)
         call_names.append(call)
         try:
             params = _parameter_rules(call, function.get("parameters"), rules)
+        except _ParameterError as exc:
+            raise ToolSchemaError(i, str(exc), f"properties.{exc.key}") from None
         except ValueError as exc:
             raise ToolSchemaError(i, str(exc)) from None
         head = literal(f'{DSML_INVOKE_START}{name}">')
@@ -261,7 +329,7 @@ def _parameter_rules(call: str, parameters: Any, rules: list[str]) -> str:
         try:
             value = _parameter_value(grammar, key, sub)
         except ValueError as exc:
-            raise ValueError(f"properties.{key}: {exc}") from None
+            raise _ParameterError(key, str(exc)) from None
         rules.append(f'{rule} ::= "\\n" {value}')
         parts.append(rule if key in required else f"{rule}?")
     return " ".join(parts)
@@ -301,6 +369,10 @@ def _raw_value(grammar: SchemaGrammar, schema: Any) -> str | None:
     types = grammar.types(schema)
     if types is not None and "string" not in types:
         return None
+    if "pattern" in schema or "format" in schema:
+        shaped = string_shape(schema, "raw")
+        if shaped is not None or "pattern" in schema:
+            return shaped  # None: the pattern needs a '<', so the value is written as JSON
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     if not low and high is None:
         return "dsml-string"
@@ -308,7 +380,7 @@ def _raw_value(grammar: SchemaGrammar, schema: Any) -> str | None:
 
 
 _SHARED_RULES = [
-    'dsml-string ::= ([^<] | "<"+ [^</])*',
+    'dsml-string ::= [^<]* ("<"+ [^</] [^<]*)*',  # no "</", no trailing "<"; one run per piece: xgrammar masks it in us
     "dsml-char ::= [^<]",
     *BASE_RULES,
     *json_value_rules(),

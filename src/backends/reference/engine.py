@@ -38,7 +38,7 @@ from backends.engine.protocol import EOS_TOKEN_ID, EngineOutput, FinishReason
 
 from . import sampler
 from .artifacts import load_or_build
-from .model import NO_TOKEN, NGramModel, regions_after
+from .model import NO_TOKEN, NGramModel, regions_after, smoothed
 from .sampling_params import SamplingParams
 from .structured import StructuredOutputError, StructuredOutputs, StructuredState, check_so_args
 from .tokenizer import DEFAULT_VOCAB_SIZE, SpecialTokenIds
@@ -236,6 +236,7 @@ class ReferenceEngine:
         self._batch = _Batch()
         self._pending: list[EngineOutput] = []  # synthetic outputs due at the next step
         self._closed = False
+        self._background = model.background()  # smooths prompt logprobs (a few ms, once)
         self._structured = StructuredOutputs(tokenizer, model, EOS_TOKEN_ID)
         self._num_so = 0  # running requests with so_args: zero keeps _sample on its plain path
 
@@ -294,7 +295,7 @@ class ReferenceEngine:
             check_so_args(so_args)
         seq = ReferenceSequence(user_id, request_id, params, prompt, self.model.region_after(prompt))
         if params.prompt_logprobs:
-            seq.prompt_logprobs = prompt_logprobs(self.model, prompt)
+            seq.prompt_logprobs = prompt_logprobs(self.model, prompt, self._background)
         self._live[request_id] = seq
         if so_args is not None:
             # DeepInfer compiles on a thread pool and enqueues the request from a later step(); here the grammar
@@ -616,10 +617,11 @@ def _attach_prompt_logprobs(outputs: list[EngineOutput], scored: dict[str, list[
                 return
 
 
-def prompt_logprobs(model: NGramModel, prompt: np.ndarray) -> list[float]:
+def prompt_logprobs(model: NGramModel, prompt: np.ndarray, background: np.ndarray) -> list[float]:
     """Logprob of each prompt token after the first given the tokens before it, from the same candidate rows that
-    sampling uses (unprocessed: no temperature, top-k or top-p). A token outside its context's top ``K`` has
-    probability 0, floored at -9999.0 as DeepInfer clamps (the model knows no better)."""
+    sampling uses (unprocessed: no temperature, top-k or top-p), smoothed (``model.smoothed``): a token outside
+    its context's top ``K`` keeps a small, finite probability, as under a real model, so the logprobs of any
+    text sum to a finite number (word perplexity). ``background`` is ``model.background()``, computed once."""
     tokens = prompt.astype(np.int64)
     if tokens.size < 2:
         return []
@@ -629,4 +631,4 @@ def prompt_logprobs(model: NGramModel, prompt: np.ndarray) -> list[float]:
     weights = probs.astype(np.float64)
     totals = np.maximum(weights.sum(axis=1), np.finfo(np.float64).tiny)
     chosen = ((ids.astype(np.int64) == tokens[1:, None]) * weights).sum(axis=1) / totals
-    return sampler.logprobs(chosen).tolist()  # type: ignore[no-any-return]
+    return np.log(smoothed(chosen, background[tokens[1:]])).tolist()  # type: ignore[no-any-return]

@@ -34,6 +34,13 @@ DEFAULT_REGION = ANSWER
 MIN_TRIGRAM_COUNT = 2
 """Trigram contexts seen once are left to the bigram: it halves the tables at little cost in fluency."""
 
+SMOOTHING = 0.01
+"""Share of every context's probability spread over the whole vocabulary (``background``) when the model scores
+text: a real model gives every token a finite logprob, while the top-K tables give 0 to the rest."""
+
+BACKGROUND_FLOOR = 1e-6
+"""Least background weight of a token, before normalizing: tokens the tables never propose stay possible."""
+
 
 @dataclass(frozen=True, slots=True)
 class NGramModel:
@@ -79,6 +86,22 @@ class NGramModel:
                 ids[hit] = self.trigram_ids[pos[hit]]
                 probs[hit] = self.trigram_probs[pos[hit]]
         return ids, probs
+
+    def background(self) -> np.ndarray:
+        """A context-free probability per token (float64 ``[vocab_size]``, every entry > 0, summing to 1).
+
+        The tables keep only each context's top K, so a token's weight is its probability summed over every
+        bigram context (how often the model would propose it anywhere), with ``BACKGROUND_FLOOR`` for the
+        tokens no context proposes. It smooths scoring (``smoothed``) and ranks tokens where a grammar allows
+        none of a context's candidates.
+        """
+        weights = np.bincount(
+            self.bigram_ids.ravel().astype(np.int64),
+            weights=self.bigram_probs.ravel().astype(np.float64),
+            minlength=self.vocab_size,
+        )[: self.vocab_size]
+        weights = np.maximum(weights / weights.sum(), BACKGROUND_FLOOR)
+        return weights / weights.sum()  # type: ignore[no-any-return]
 
     def save(self, path: Path) -> None:
         np.savez(
@@ -257,3 +280,9 @@ def train(
         unigram_ids=uni_ids.astype(id_type),
         unigram_probs=uni_probs.astype(np.float16),
     )
+
+
+def smoothed(in_context: np.ndarray, background: np.ndarray) -> np.ndarray:
+    """Probabilities of tokens under the smoothed model: ``(1 - SMOOTHING)`` times their probability among the
+    context's candidates (0 outside them) plus ``SMOOTHING`` times their ``background`` probability. Never 0."""
+    return (1.0 - SMOOTHING) * in_context + SMOOTHING * background  # type: ignore[no-any-return]

@@ -219,19 +219,10 @@ class StructuredState:
 
 
 def token_prior(model: NGramModel) -> tuple[np.ndarray, np.ndarray]:
-    """A context-free weight per token for rows where the grammar allows none of the model's top-K candidates.
-
-    The model keeps only a top-K unigram, so the weight of a token is its probability summed over every bigram
-    context (how often the model would propose it anywhere), plus a small floor so that every token the
-    grammar allows can be drawn. Returns the ids ordered by descending weight and the weights (by id).
-    """
-    weights = np.bincount(
-        model.bigram_ids.ravel().astype(np.int64),
-        weights=model.bigram_probs.ravel().astype(np.float64),
-        minlength=model.vocab_size,
-    )[: model.vocab_size]
-    weights = weights / weights.sum()
-    weights = np.maximum(weights, 1e-6)
+    """A context-free weight per token for rows where the grammar allows none of the model's top-K candidates:
+    the model's ``background`` distribution (every token the grammar allows can be drawn). Returns the ids
+    ordered by descending weight and the weights (by id)."""
+    weights = model.background()
     order = np.argsort(-weights, kind="stable")
     return order, weights
 

@@ -11,7 +11,7 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from backends.interface import SamplingOptions
 
@@ -38,6 +38,19 @@ def shown(value: object) -> str:
         text = "an array" if isinstance(value, list) else "an object"
     text = text.encode("utf-8", "replace").decode("utf-8")
     return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
+
+
+def _whole_number(value: Any) -> Any:
+    """A float without a fractional part (``16.0``) is the integer it spells: OpenAI's spec is JSON Schema, under
+    which 16.0 is an integer, and OpenAI accepts it. Anything else goes on to the strict integer check, so ``16.5``
+    is refused with OpenAI's message (an integer expected, a decimal number given), and ``"16"`` or ``true`` too."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+WholeInt = Annotated[int, BeforeValidator(_whole_number)]
+"""The type of every integer field: an int, or a float that is a whole number (no other coercion)."""
 
 
 class ParameterError(ValueError):
@@ -229,18 +242,18 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="extension: sample among the k most likely tokens")
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    top_k: WholeInt | None = Field(None, ge=-1, description="extension: sample among the k most likely tokens")
+    seed: WholeInt | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: WholeInt = Field(1, ge=1, le=128)
     user: str | None = None
     ignore_eos: bool = Field(False, description="extension: generate until max_tokens even past end-of-sequence")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[int, Field(ge=-100, le=100)]] | None = None
+    logit_bias: dict[str, Annotated[WholeInt, Field(ge=-100, le=100)]] | None = None
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="extension (vLLM, LMDeploy)")
     min_p: float | None = Field(None, ge=0, le=1, description="extension (vLLM, LMDeploy)")
-    min_tokens: int | None = Field(None, ge=0, description="extension: generate at least this many tokens")
+    min_tokens: WholeInt | None = Field(None, ge=0, description="extension: generate at least this many tokens")
     skip_special_tokens: bool = Field(True, description="extension: drop special tokens from the text")
 
     @field_validator("stop")
@@ -292,10 +305,10 @@ class ChatCompletionRequest(_Sampling):
     null_means_default: ClassVar[frozenset[str]] = frozenset({"stream", "n", "logprobs"})
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: WholeInt | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: WholeInt | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: WholeInt | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -304,7 +317,7 @@ class ChatCompletionRequest(_Sampling):
         description='text, json_object, json_schema; extensions: {"type": "regex", "regex": ...}, '
         '{"type": "ebnf", "ebnf": ...}',
     )
-    reasoning_effort: str | int | None = Field(
+    reasoning_effort: str | WholeInt | None = Field(
         None, description="none, minimal, low, medium, high, xhigh, max, or (extension) an integer from 1 to 100"
     )
     chat_template_kwargs: dict[str, Any] | None = Field(None, description='extension: e.g. {"thinking": true}')
@@ -438,7 +451,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-TokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
+TokenIds = list[Annotated[WholeInt, Field(ge=0, le=2**31 - 1)]]
 
 
 class CompletionRequest(_Sampling):
@@ -447,11 +460,11 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | TokenIds | list[Annotated[TokenIds, Field(min_length=1)]] | None = Field(
         description="null is OpenAI's default, the start of a document: generation from an empty prompt"
     )
-    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT, description="0 with echo: score the prompt only")
-    logprobs: int | None = Field(None, ge=0, le=5)
+    max_tokens: WholeInt | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT, description="0 with echo: score the prompt only")
+    logprobs: WholeInt | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1, le=128)
+    best_of: WholeInt | None = Field(None, ge=1, le=128)
 
     @model_validator(mode="after")
     def _completion_rules(self) -> CompletionRequest:

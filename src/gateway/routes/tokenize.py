@@ -45,6 +45,9 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | int | None = Field(
+        None, description="messages only; as in /v1/chat/completions, it sets thinking mode and the prompt's effort"
+    )
     return_token_strs: bool = False
 
 
@@ -88,7 +91,7 @@ def _check_chat_options(body: TokenizeRequest) -> None:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages.", param="prompt")
     if body.messages is None:
-        for name in ("tools", "chat_template_kwargs"):
+        for name in ("tools", "chat_template_kwargs", "reasoning_effort"):
             if getattr(body, name) is not None:
                 raise APIError(400, f"{name} applies to messages only.", param=name)
         return
@@ -116,6 +119,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             prompt=body.prompt,
             tools=body.tools,
             chat_template_kwargs=body.chat_template_kwargs,
+            reasoning_effort=body.reasoning_effort,
         )
         ids = await backend.tokenize(generate, add_special_tokens=body.add_special_tokens)
         info = backend.tokenizer_info()

@@ -91,6 +91,13 @@ def test_undeclared_tool_or_parameter_keeps_the_marked_types() -> None:
     assert args(raw, obj(city={"type": "string"})) == {"days": "2", "n": 3}
 
 
+def test_a_parameter_whose_schema_names_no_type_keeps_the_value_the_model_wrote() -> None:
+    """A deliberate difference from DeepSeek's parser, which reads such a parameter as a string and turns a JSON
+    value into its text: nothing in the schema asks for text (docs/deepseek.md)."""
+    raw = param("n", "3", False) + param("o", '{"k": [1]}', False) + param("s", "3")
+    assert args(raw, obj(n={}, o={"description": "anything"}, s={})) == {"n": 3, "o": {"k": [1]}, "s": "3"}
+
+
 def test_unwrapped_arguments_are_corrected_too() -> None:
     raw = param("arguments", '{"city": "Rome", "days": "4"}', False)
     assert args(raw, obj(city={"type": "string"}, days={"type": "integer"})) == {"city": "Rome", "days": 4}

@@ -42,11 +42,11 @@ def effort_line(value: int) -> str:
 def test_chat_mode_by_default_and_thinking_when_the_backend_defaults_to_it(artifacts: ReferenceArtifacts) -> None:
     assert render(artifacts).text.endswith(CHAT_TAIL)
     thinking = render(artifacts, default_thinking=True)
-    assert thinking.text.endswith(THINK_TAIL) and effort_line(50) in thinking.text
+    assert thinking.text.endswith(THINK_TAIL) and effort_line(75) in thinking.text
 
 
 @pytest.mark.parametrize(
-    ("effort", "value"), [("low", 25), ("medium", 50), ("high", 50), ("xhigh", 75), ("max", 100), (37, 37)]
+    ("effort", "value"), [("low", 50), ("medium", 75), ("high", 75), ("xhigh", 75), ("max", 100), (37, 37)]
 )
 def test_reasoning_effort_turns_thinking_on_with_the_mapped_v41_effort(
     artifacts: ReferenceArtifacts, effort: str | int, value: int

@@ -25,7 +25,7 @@ from backends.deepseek.encoding import (
 # Literal strings, deliberately not built from the module's constants.
 B = "<｜begin▁of▁sentence｜>"
 E = "<｜end▁of▁sentence｜>"
-EFFORT_50 = "Reasoning Effort: 50 (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+EFFORT_75 = "Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
 TOOLS_HEADER = (
     "## Tools\n\nYou have access to a set of tools to help answer the user's question. "
@@ -95,7 +95,7 @@ def test_h7_1_chat_mode_single_user_turn() -> None:
 def test_h7_2_thinking_mode_default_effort_prefixes_system_message() -> None:
     prompt = encode_messages([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}], thinking=True)
     assert prompt == (
-        "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 50 (range 1-100, the higher the value, "
+        "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, "
         "the more thorough the reasoning)\n\nS<｜User｜>Hi<｜Assistant｜><think>"
     )
 
@@ -110,7 +110,7 @@ HISTORY_ABC = [
 def test_h7_3_thinking_mode_drops_historical_reasoning() -> None:
     prompt = encode_messages(HISTORY_ABC, thinking=True)
     assert prompt == (
-        "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 50 (range 1-100, the higher the value, "
+        "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, "
         "the more thorough the reasoning)\n\n<｜User｜>A<｜Assistant｜></think>B<｜end▁of▁sentence｜>"
         "<｜User｜>C<｜Assistant｜><think>"
     )
@@ -172,7 +172,7 @@ def test_h7_6_thinking_with_tools_keeps_history_reasoning_and_merges_tool_result
     )
     assert prompt.endswith(tail)
     # No system message: an empty one is inserted at index 0 to carry the tools.
-    assert prompt == "<｜begin▁of▁sentence｜><｜System｜>" + EFFORT_50 + "\n\n" + TOOLS_HEADER + F_SCHEMA_LINE + (
+    assert prompt == "<｜begin▁of▁sentence｜><｜System｜>" + EFFORT_75 + "\n\n" + TOOLS_HEADER + F_SCHEMA_LINE + (
         TOOLS_FOOTER + tail
     )
 
@@ -198,7 +198,7 @@ def test_h7_8_thinking_continue_final_message_keeps_reasoning_open() -> None:
         thinking=True,
         continue_final_message=True,
     )
-    assert prompt == B + "<｜System｜>" + EFFORT_50 + "<｜User｜>Q<｜Assistant｜><think>partial"
+    assert prompt == B + "<｜System｜>" + EFFORT_75 + "<｜User｜>Q<｜Assistant｜><think>partial"
 
 
 def test_h7_9_chat_mode_mid_conversation_system_opens_assistant_turn() -> None:
@@ -234,7 +234,7 @@ def test_tool_schema_keeps_key_order_and_non_ascii() -> None:
 def test_empty_system_in_thinking_mode_gives_four_newlines_before_tools() -> None:
     prompt = encode_messages([{"role": "user", "content": "x"}], thinking=True, tools=[F_TOOL])
     assert prompt.startswith(
-        B + "<｜System｜>Reasoning Effort: 50 (range 1-100, the higher the value, the more thorough the "
+        B + "<｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the "
         "reasoning)\n\n\n\n## Tools\n\n"
     )
 
@@ -297,7 +297,7 @@ def test_response_format_without_system_inserts_empty_system_at_index_0() -> Non
     assert prompt == (
         B
         + "<｜System｜>"
-        + EFFORT_50
+        + EFFORT_75
         + "\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
         + '{"type": "json_schema", "json_schema": {"name": "ans", "schema": {"type": "object"}}}'
         + "<｜User｜>Q<｜Assistant｜><think>"
@@ -323,9 +323,32 @@ def test_drop_thinking_drops_developer_messages_and_reasoning_before_last_user_t
     ]
     prompt = encode_messages(messages, thinking=True)
     assert prompt == (
-        B + "<｜System｜>" + EFFORT_50 + "<｜User｜>A<｜Assistant｜></think>B" + E + "<｜User｜>C<｜Assistant｜><think>"
+        B + "<｜System｜>" + EFFORT_75 + "<｜User｜>A<｜Assistant｜></think>B" + E + "<｜User｜>C<｜Assistant｜><think>"
     )
     assert "D1" not in prompt and "r1" not in prompt
+
+
+def test_a_user_turn_of_tool_results_only_is_not_the_last_user_turn() -> None:
+    """DeepSeek's released encoder: tool results continue the assistant's turn, so with thinking dropped the
+    reasoning of the calls they answer stays, and the calls' turn is opened with ``<think>``."""
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "reasoning_content": "R", "tool_calls": [call("c1", "f", {"q": "x"})]},
+        {"role": "tool", "tool_call_id": "c1", "content": "res"},
+    ]
+    prompt = encode_messages(messages, thinking=True)
+    assert prompt == (
+        B
+        + "<｜System｜>"
+        + EFFORT_75
+        + '<｜User｜>go<｜Assistant｜><think>R</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+        + '<｜DSML｜ parameter name="q" string="true">x</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+        + E
+        + "<｜User｜><tool_result>res</tool_result><｜Assistant｜><think>"
+    )
+    # A user message after the results makes that merged turn a user turn again: the earlier reasoning goes.
+    later = encode_messages([*messages, {"role": "user", "content": "more"}], thinking=True)
+    assert "R</think>" not in later and later.endswith("<tool_result>res</tool_result>\n\nmore<｜Assistant｜><think>")
 
 
 def test_drop_thinking_keeps_developer_message_that_is_the_last_user_turn() -> None:
@@ -336,7 +359,7 @@ def test_drop_thinking_keeps_developer_message_that_is_the_last_user_turn() -> N
     ]
     prompt = encode_messages(messages, thinking=True)
     assert prompt == (
-        B + "<｜System｜>" + EFFORT_50 + "<｜User｜>A<｜Assistant｜></think>B" + E + "<｜User｜>D<｜Assistant｜><think>"
+        B + "<｜System｜>" + EFFORT_75 + "<｜User｜>A<｜Assistant｜></think>B" + E + "<｜User｜>D<｜Assistant｜><think>"
     )
 
 
@@ -346,7 +369,7 @@ def test_drop_thinking_keeps_reasoning_after_last_user_turn() -> None:
         {"role": "assistant", "content": "B", "reasoning_content": "r1"},
     ]
     prompt = encode_messages(messages, thinking=True, add_generation_prompt=False)
-    assert prompt == B + "<｜System｜>" + EFFORT_50 + "<｜User｜>A<｜Assistant｜><think>r1</think>B" + E
+    assert prompt == B + "<｜System｜>" + EFFORT_75 + "<｜User｜>A<｜Assistant｜><think>r1</think>B" + E
 
 
 def test_drop_thinking_false_keeps_history_reasoning_and_developer_messages() -> None:
@@ -360,7 +383,7 @@ def test_drop_thinking_false_keeps_history_reasoning_and_developer_messages() ->
     assert prompt == (
         B
         + "<｜System｜>"
-        + EFFORT_50
+        + EFFORT_75
         + "<｜User｜>D1<｜User｜>A<｜Assistant｜><think>r1</think>B"
         + E
         + "<｜User｜>C<｜Assistant｜><think>"
@@ -378,7 +401,7 @@ def test_tools_disable_drop_thinking() -> None:
     assert with_tools == (
         B
         + "<｜System｜>"
-        + EFFORT_50
+        + EFFORT_75
         + "\n\n"
         + TOOLS_HEADER
         + F_SCHEMA_LINE
@@ -409,7 +432,7 @@ def test_mid_conversation_system_counts_as_last_user_turn_for_drop_thinking() ->
     assert prompt == (
         B
         + "<｜System｜>"
-        + EFFORT_50
+        + EFFORT_75
         + "<｜User｜>A<｜Assistant｜></think>B"
         + E
         + "<｜System｜>NEW<｜Assistant｜><think>"
@@ -669,12 +692,23 @@ def test_malformed_tool_call_raises_value_error() -> None:
 # --- Reasoning effort (H3) ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("effort", "value"),
-    [(None, 50), ("low", 25), ("high", 50), ("xhigh", 75), ("max", 100), (1, 1), (42, 42), (100, 100)],
-)
+RELEASED_EFFORTS = [(None, 75), ("low", 50), ("high", 75), ("xhigh", 75), ("max", 100), (1, 1), (42, 42), (100, 100)]
+"""DeepSeek's released V4.1 table (encoding/encoding.py of the checkpoint, and vLLM 0.33.0): None is ``high``."""
+
+
+@pytest.mark.parametrize(("effort", "value"), RELEASED_EFFORTS)
 def test_effort_value_maps_named_and_integer_efforts(effort: str | int | None, value: int) -> None:
     assert effort_value(effort) == value
+
+
+@pytest.mark.parametrize(("effort", "value"), RELEASED_EFFORTS)
+def test_golden_prompt_for_each_effort(effort: str | int | None, value: int) -> None:
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    prompt = encode_messages(messages, thinking=True, reasoning_effort=effort)
+    assert prompt == (
+        f"<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: {value} (range 1-100, the higher the value, "
+        "the more thorough the reasoning)\n\nS<｜User｜>Hi<｜Assistant｜><think>"
+    )
 
 
 @pytest.mark.parametrize("effort", ["medium", "minimal", "none", "HIGH", 0, 101, -5, True, 50.0, "50"])
@@ -735,6 +769,8 @@ def test_unsupported_content_part_raises_value_error() -> None:
 
 
 def test_none_content_renders_as_empty() -> None:
+    """DeepSeek's encoder fails on a null user content (a TypeError); the API refuses it first (400, OpenAI's
+    rule), and the encoder renders it as empty for callers inside the gateway."""
     assert (
         encode_messages([{"role": "user", "content": None}], thinking=False) == B + "<｜User｜><｜Assistant｜></think>"
     )
@@ -751,7 +787,12 @@ def test_developer_message_without_content_raises_value_error() -> None:
 
 
 def test_developer_message_with_empty_text_is_encoded_like_an_empty_system_message() -> None:
-    assert encode_messages([{"role": "developer", "content": ""}], thinking=False)
+    """Deliberate difference from DeepSeek's encoder, which asserts on it: OpenAI accepts an empty developer
+    message (an agent with empty instructions sends one), and an empty turn changes nothing the model reads."""
+    assert (
+        encode_messages([{"role": "developer", "content": ""}], thinking=False)
+        == B + "<｜User｜><｜Assistant｜></think>"
+    )
 
 
 def test_developer_message_renders_as_user_turn() -> None:
@@ -788,7 +829,7 @@ def test_latest_reminder_follows_the_assistant_header() -> None:
     messages = [{"role": "user", "content": "Q"}, {"role": "latest_reminder", "content": "today is Monday"}]
     prompt = encode_messages(messages, thinking=True)
     assert prompt == (
-        B + "<｜System｜>" + EFFORT_50 + "<｜User｜>Q<｜Assistant｜><think><｜latest_reminder｜>today is Monday"
+        B + "<｜System｜>" + EFFORT_75 + "<｜User｜>Q<｜Assistant｜><think><｜latest_reminder｜>today is Monday"
     )
     assert prompt_ends_in_thinking(prompt)
 
@@ -811,7 +852,7 @@ def test_latest_reminder_before_assistant_is_kept_in_history() -> None:
 
 def test_add_generation_prompt_false_ends_after_last_user_turn() -> None:
     prompt = encode_messages([{"role": "user", "content": "Q"}], thinking=True, add_generation_prompt=False)
-    assert prompt == B + "<｜System｜>" + EFFORT_50 + "<｜User｜>Q"
+    assert prompt == B + "<｜System｜>" + EFFORT_75 + "<｜User｜>Q"
 
 
 def test_add_bos_false_omits_bos() -> None:
@@ -820,9 +861,19 @@ def test_add_bos_false_omits_bos() -> None:
 
 
 def test_generation_prompt_after_final_assistant_opens_new_assistant_turn() -> None:
+    """Deliberate difference from vLLM 0.33.0's encoder, which ends such a prompt at the EOS: OpenAI answers a
+    conversation that ends with an assistant message with a new one, and the model needs a turn to write in."""
     messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}]
     prompt = encode_messages(messages, thinking=False)
     assert prompt == B + "<｜User｜>Q<｜Assistant｜></think>B" + E + "<｜Assistant｜></think>"
+
+
+def test_a_conversation_of_one_system_message_opens_an_assistant_turn() -> None:
+    """Deliberate difference from vLLM 0.33.0's encoder, which ends at the system text: OpenAI answers a request
+    made of a system message alone, so the prompt gives the model its turn."""
+    assert encode_messages([{"role": "system", "content": "S"}], thinking=False) == (
+        B + "<｜System｜>S<｜Assistant｜></think>"
+    )
 
 
 def test_continue_final_message_with_content_omits_eos_and_closes_reasoning() -> None:
@@ -831,11 +882,13 @@ def test_continue_final_message_with_content_omits_eos_and_closes_reasoning() ->
         {"role": "assistant", "content": "The answer", "reasoning_content": "r"},
     ]
     prompt = encode_messages(messages, thinking=True, continue_final_message=True)
-    assert prompt == B + "<｜System｜>" + EFFORT_50 + "<｜User｜>Q<｜Assistant｜><think>r</think>The answer"
+    assert prompt == B + "<｜System｜>" + EFFORT_75 + "<｜User｜>Q<｜Assistant｜><think>r</think>The answer"
     assert not prompt_ends_in_thinking(prompt)
 
 
 def test_continue_final_message_reasoning_only_keeps_think_open() -> None:
+    """DeepSeek's reference encoder keeps the reasoning open; vLLM 0.33.0's copy has no continue_final_message
+    and closes it (``</think>`` + EOS): continuing the reasoning is the point of the option."""
     messages = [
         {"role": "user", "content": "Q"},
         {"role": "assistant", "content": None, "reasoning": "step 1"},

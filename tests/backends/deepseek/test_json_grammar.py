@@ -11,6 +11,7 @@ branch off. xgrammar, DeepInfer's grammar engine, matches character by character
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import llguidance
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from backends.deepseek.json_grammar import BASE_RULES, SchemaGrammar, integer_range, json_value_rules
+from backends.deepseek.regex_grammar import pattern_expression
 from backends.reference import ReferenceArtifacts
 from backends.reference.structured import JSON_OPTIONS, strict_json_schema
 
@@ -316,3 +318,77 @@ def test_random_schemas_never_accept_what_the_engines_json_compiler_refuses(
     for _ in range(6):
         text = json.dumps(data.draw(value_near(schema)))
         assert theirs(text) or not mine(text), f"accepts what the schema forbids: {text} for {schema}"
+
+
+# ---- pattern and format (regex_grammar) ---------------------------------------------------------------------
+
+PATTERNS = [
+    "^[A-Z]{3}-[0-9]{2}$",
+    "ab",  # unanchored: anywhere in the string
+    "^a.c$",
+    r"^\d+(\.\d{1,2})?$",
+    "^(red|green)+$",
+    r'^[^"\\]*$',
+    "x$|^y",
+    r"^\w+@\w+\.(com|org)$",
+    r'^"q"\\$',
+]
+PROBES = st.text(alphabet='abcxyRG-.@\\"0123', max_size=7)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@settings(max_examples=30, deadline=None)
+@given(probes=st.lists(PROBES, min_size=4, max_size=8))
+def test_a_pattern_accepts_exactly_the_strings_it_matches_in_both_spellings(
+    pattern: str, probes: list[str], artifacts: ReferenceArtifacts
+) -> None:
+    """JSON Schema's ``pattern`` is a search (anchors only where written); as a JSON string the characters are
+    escaped, as raw DSML text they are as they are (raw text never holds ``<``)."""
+    json_value = ours({"type": "string", "pattern": pattern}, artifacts)
+    raw = pattern_expression(pattern, "raw")
+    assert raw is not None
+    raw_value = Acceptor(llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(f"root ::= {raw}")), artifacts)
+    fixed = {"AAA-12", "ab", "abc", "12.5", "redgreen", "x", "y", "ab@cd.org", '"q"\\'}
+    for text in [*probes, *fixed]:
+        matches = re.search(pattern, text) is not None
+        assert json_value(json.dumps(text)) == matches, (pattern, text)
+        assert raw_value(text) == matches, (pattern, text)
+
+
+@pytest.mark.parametrize(
+    ("kind", "good", "bad"),
+    [
+        ("date", ["2026-12-01", "2000-02-29"], ["2026-13-01", "26-12-01", "2026-12-1"]),
+        (
+            "date-time",
+            ["2026-12-01T10:20:30Z", "2026-12-01t10:20:30.5+01:00"],
+            ["2026-12-01 10:20:30", "2026-12-01T25:00:00Z"],
+        ),
+        ("uuid", ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000"]),
+        ("ipv4", ["10.0.0.255"], ["10.0.0.256", "1.2.3"]),
+        ("email", ["a.b@example.com"], ["a@b", "@example.com"]),
+    ],
+)
+def test_supported_formats_are_compiled(
+    kind: str, good: list[str], bad: list[str], artifacts: ReferenceArtifacts
+) -> None:
+    accepts = ours({"type": "string", "format": kind}, artifacts)
+    assert all(accepts(json.dumps(text)) for text in good), good
+    assert not any(accepts(json.dumps(text)) for text in bad), bad
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer", "multipleOf": 5},
+        {"type": "object", "properties": {"a": {}}, "minProperties": 1},
+        {"type": "string", "pattern": "^a", "maxLength": 3},
+        {"type": "string", "pattern": "(?=a)a"},
+        {"type": "string", "pattern": r"(a)\1"},
+        {"type": "integer", "maximum": 10**20},
+    ],
+    ids=["multipleOf", "minProperties", "pattern-and-length", "lookahead", "backreference", "bound"],
+)
+def test_what_a_forced_call_cannot_enforce_is_refused_not_ignored(schema: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"not supported|bound"):
+        SchemaGrammar(schema, "s", []).value(schema)

@@ -167,10 +167,53 @@ def test_unwrap_rule_keeps_wrapper_when_declared_or_keys_unknown_or_tool_unknown
 
 
 def test_max_calls_emits_only_the_first_call_but_consumes_the_others() -> None:
-    text = CALLS_OPEN + invoke("f", param("q", "1")) + invoke("f", param("q", "2")) + CALLS_CLOSE + " after"
+    text = CALLS_OPEN + invoke("f", param("q", "1")) + invoke("f", param("q", "2")) + CALLS_CLOSE
     result = parse([text], max_calls=1)
     assert [json.loads(c["arguments"]) for c in result.calls] == [{"q": "1"}]
-    assert result.content == " after"
+    assert result.content == ""
+
+
+def test_bare_invoke_without_the_calls_wrapper_is_a_call() -> None:
+    """DeepSeek's parser (vLLM 0.33.0's V4.1 parser) reads an invoke written without ``<｜DSML｜ calls>`` as a call:
+    the agent gets the call, and the user sees no markup."""
+    text = "Let me look.\n\n" + invoke("get_weather", param("city", "Paris"), param("days", "2", False))
+    result = parse([text])
+    assert result.content == "Let me look.\n\n"
+    assert result.calls == [{"id": "call_0", "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}]
+    assert result.called
+    two = parse(["\n\n" + invoke("f", param("q", "1")) + "\n" + invoke("f", param("q", "2"))])
+    assert [json.loads(c["arguments"]) for c in two.calls] == [{"q": "1"}, {"q": "2"}] and two.content == ""
+    # Inside the reasoning a bare invoke stays reasoning, as in DeepSeek's parser (only a calls block ends it).
+    thinking = parse(["plan: " + invoke("f", param("q", "1"))], in_reasoning=True)
+    assert thinking.calls == [] and thinking.reasoning.startswith("plan: <｜DSML｜ invoke")
+
+
+def test_text_after_the_call_block_is_dropped() -> None:
+    """The calls end the turn (V4.1 writes EOS there); DeepSeek's parser rejects text after them and vLLM's drops
+    it, so a continuation the model should not have written (say, an invented tool result) never reaches the
+    client as an answer. A second call after the block is still a call."""
+    block = CALLS_OPEN + "\n" + invoke("f", param("q", "1")) + "\n" + CALLS_CLOSE
+    result = parse(["Sure.\n\n" + block + "\n\nThe result is 42. <think>x</think>"])
+    assert result.content == "Sure.\n\n" and [json.loads(c["arguments"]) for c in result.calls] == [{"q": "1"}]
+    again = parse([block + " and " + invoke("f", param("q", "2")) + CALLS_CLOSE + " tail"])
+    assert [json.loads(c["arguments"]) for c in again.calls] == [{"q": "1"}, {"q": "2"}] and again.content == ""
+
+
+def test_parameter_without_a_string_attribute_is_read_as_json_or_text() -> None:
+    """vLLM's V4.1 parser reads a parameter whose ``string`` attribute is missing as ``string="false"``: dropping
+    it would hand the client a call without that argument."""
+    raw = '<｜DSML｜ parameter name="days">3</｜DSML｜ parameter>\n'
+    raw += '<｜DSML｜ parameter name="city" >Oslo</｜DSML｜ parameter>'
+    assert json.loads(arguments_json(raw, None)) == {"days": 3, "city": "Oslo"}
+    assert json.loads(arguments_json(raw, WEATHER_PARAMETERS)) == {"days": 3, "city": "Oslo"}
+
+
+def test_trailing_whitespace_of_the_reasoning_is_kept() -> None:
+    """A deliberate difference from vLLM, which strips it: DeepSeek's parser keeps the reasoning as written, a
+    stream need not hold whitespace back until ``</think>``, and a client that sends the reasoning back gets the
+    exact prompt the model wrote (its prefix cache still matches)."""
+    result = parse(["Let me think.\n\n</think>Answer"], in_reasoning=True)
+    assert (result.reasoning, result.content) == ("Let me think.\n\n", "Answer")
 
 
 def test_without_tools_dsml_stays_content() -> None:
@@ -226,8 +269,9 @@ def test_partial_tag_at_the_end_is_released_as_text() -> None:
 
 
 def test_call_block_cut_inside_its_opening_tag_leaves_no_markup() -> None:
-    for cut in ("<｜", "<｜DSML", "<｜DSML｜ cal"):
+    for cut in ("<｜", "<｜DSML", "<｜DSML｜ cal", "<｜DSML｜ invoke name"):
         assert parse(["answer\n\n" + cut]).as_tuple() == ("", "answer\n\n", [], False)
+    for cut in ("<｜", "<｜DSML", "<｜DSML｜ cal"):  # in the reasoning only a calls block is markup
         assert parse(["thinking " + cut], in_reasoning=True).reasoning == "thinking "
     assert parse(["answer <"]).content == "answer <"
     assert parse(["answer <｜DSML"], tools=None).content == "answer <｜DSML"  # without tools it is text

@@ -11,6 +11,7 @@ import pytest
 
 from backends.engine.protocol import Engine, EngineOutput
 from backends.reference import ReferenceArtifacts, ReferenceEngine
+from backends.reference.model import SMOOTHING, smoothed
 
 MakeEngine = Callable[..., ReferenceEngine]
 
@@ -369,11 +370,28 @@ def test_close_drops_everything(make_engine: MakeEngine, artifacts: ReferenceArt
         engine.add_request("u", "s", None, chat_prompt(artifacts))
 
 
+def test_every_prompt_token_gets_a_finite_logprob(make_engine: MakeEngine, artifacts: ReferenceArtifacts) -> None:
+    """A real model gives every token a finite logprob, so word perplexity over any text is finite (lm-eval's
+    loglikelihood_rolling): tokens the model's tables never propose in a context get the background's share."""
+    engine = make_engine()
+    text = "Quantum zebras juggle marmalade while the accountant whistles Rachmaninoff backwards."
+    prompt = np.array([0, *artifacts.tokenizer.encode(text, add_special_tokens=False).ids], dtype=np.int32)
+    engine.add_request("u", "score", {"prompt_logprobs": True, "max_tokens": 1}, prompt)
+    values = run(engine)["score"][0].prompt_logprobs
+    assert values is not None and len(values) == prompt.size - 1
+    background = engine.model.background()
+    floor = float(np.log(SMOOTHING * background.min()))
+    assert all(floor <= v < 0.0 for v in values), values
+    unseen = [v for v in values if v < np.log(SMOOTHING)]  # outside (or at the tail of) the candidates
+    assert unseen, "the sentence should hold tokens the model never proposes in their context"
+
+
 def test_prompt_logprobs_of_a_sampled_continuation_are_the_logprobs_it_was_sampled_with(
     make_engine: MakeEngine, artifacts: ReferenceArtifacts
 ) -> None:
-    """At temperature 1 (no top-k/top-p) sampling draws from the model itself, so scoring what it drew agrees,
-    including across the reasoning -> answer switch of a thinking prompt."""
+    """At temperature 1 (no top-k/top-p) sampling draws from the model's candidates, so scoring what it drew
+    agrees, including across the reasoning -> answer switch of a thinking prompt: scoring uses the smoothed model,
+    ``(1 - SMOOTHING)`` times that distribution plus ``SMOOTHING`` times the background."""
     engine = make_engine()
     prompt = thinking_prompt(artifacts)
     params = {"temperature": 1.0, "max_tokens": 96, "seq_seed": 5, "ignore_eos": True}
@@ -387,5 +405,7 @@ def test_prompt_logprobs_of_a_sampled_continuation_are_the_logprobs_it_was_sampl
     scored = run(engine)["score"]
     values = scored[0].prompt_logprobs
     assert values is not None and len(values) == scored_prompt.size - 1  # DeepInfer: prompt_len - 1 floats
-    assert values[-len(sampled) :] == pytest.approx([o.token_logprob for o in sampled], abs=1e-9)
+    background = engine.model.background()
+    expected = [np.log(smoothed(np.exp(o.token_logprob), background[o.token_id])) for o in sampled]
+    assert values[-len(sampled) :] == pytest.approx(expected, abs=1e-9)
     assert all(o.prompt_logprobs is None for o in scored[1:])  # only on the prompt step's output
