@@ -115,9 +115,17 @@ def test_thinking_comes_as_a_signed_block_that_replays_and_a_tampered_one_is_ref
     assert "signature" in refused.value.body["error"]["message"]  # type: ignore[index]
 
 
-def test_effort_and_budget_reach_v41s_prompt_only_in_thinking_mode(claude: anthropic.Anthropic) -> None:
+def test_effort_and_budget_reach_v41s_prompt_only_in_thinking_mode(
+    claude: anthropic.Anthropic, raw: httpx.Client
+) -> None:
     def count(**fields: Any) -> int:
         return claude.messages.count_tokens(model=MODEL, messages=HI, **fields).input_tokens
+
+    def chat_prompt(effort: str) -> tuple[int, str]:
+        """The chat route's prompt for the same turn at ``effort``: its length and its text."""
+        tokens = raw.post("/tokenize", json={"model": MODEL, "messages": HI, "reasoning_effort": effort}).json()
+        text = raw.post("/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()["prompt"]
+        return tokens["count"], text
 
     chat = count()
     assert count(thinking={"type": "disabled"}) == chat
@@ -125,7 +133,11 @@ def test_effort_and_budget_reach_v41s_prompt_only_in_thinking_mode(claude: anthr
     thinking = count(thinking={"type": "adaptive"})
     assert thinking > chat, "thinking mode prints the effort at the top of the prompt"
     assert count(thinking={"type": "enabled", "budget_tokens": 2048}) == thinking
-    assert count(thinking={"type": "adaptive"}, output_config={"effort": "low"}) == thinking  # 'Effort: 50' vs 75
+    default_length, default_text = chat_prompt("high")
+    assert "Reasoning Effort: 75 " in default_text and thinking == default_length, "V4.1's default effort, 75"
+    low_length, low_text = chat_prompt("low")
+    assert "Reasoning Effort: 50 " in low_text
+    assert count(thinking={"type": "adaptive"}, output_config={"effort": "low"}) == low_length
 
 
 def test_omitted_thinking_is_signed_and_replays_its_reasoning(claude: anthropic.Anthropic, raw: httpx.Client) -> None:
