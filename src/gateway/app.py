@@ -108,7 +108,12 @@ def create_app(
     app.include_router(tokenize.router)
     app.include_router(operations.router)
     app.include_router(admin.router)
-    app.add_middleware(ApiKeyMiddleware, client_keys=config.server.client_keys(), admin_key=config.server.admin_api_key)
+    app.add_middleware(
+        ApiKeyMiddleware,
+        client_keys=config.server.client_keys(),
+        admin_key=config.server.admin_api_key,
+        public_metrics=config.server.public_metrics,
+    )
     app.add_middleware(
         RequestContextMiddleware,
         max_body_bytes=config.server.max_body_bytes,

@@ -54,7 +54,15 @@ class ServerConfig(BaseModel):
     api_keys: list[str | ApiKeyConfig] = Field(
         default_factory=list, description="client keys for /v1 (Bearer or x-api-key); empty: no auth", repr=False
     )
-    admin_api_key: str | None = Field(None, min_length=8, description="protects /metrics and /admin", repr=False)
+    admin_api_key: str | None = Field(
+        None,
+        min_length=8,
+        description="protects /metrics and /admin; with api_keys set and no admin key, both are refused (403)",
+        repr=False,
+    )
+    public_metrics: bool = Field(
+        False, description="serve /metrics without a key (its labels name models, backends and API keys)"
+    )
     requests_per_minute: int | None = Field(None, ge=1, description="default per-key request limit")
     tokens_per_minute: int | None = Field(None, ge=1, description="default per-key token limit")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
