@@ -105,6 +105,14 @@ def stop_gateway(gateway: RunningGateway) -> None:
     gateway.thread.join(timeout=30)
 
 
+def logged_error_detail(logs: list[dict[str, object]]) -> str:
+    """The detail of the one server error in captured access-log lines (clients see only a generic message)."""
+    (detail,) = [
+        str(line["error_detail"]) for line in logs if line.get("event") == "request" and "error_detail" in line
+    ]
+    return detail
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

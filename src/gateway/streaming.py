@@ -21,9 +21,8 @@ from backends.errors import BackendError, BackendTimeoutError, SlowClientError
 from backends.interface import Delta, Event, Finish, PromptEcho, Usage
 from backends.streams import interleave
 from gateway.bursts import BurstReader
-from gateway.errors import APIError, api_error_from_backend, error_payload
+from gateway.errors import APIError, api_error_from_backend, public_error
 from gateway.metrics import RequestObserver
-from gateway.openai.responses import sse_frame
 from gateway.sse import DisconnectWatch, EventStreamResponse
 
 logger = logging.getLogger(__name__)
@@ -31,9 +30,6 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 SLOW_CLIENT_STATUS = 408  # logged for a stream stopped because its client did not read
 MAX_BURST = 64
 """Frames written to a client in one send at most, when that many were ready at once."""
-INTERNAL_ERROR_FRAME = sse_frame(
-    error_payload("The server had an error processing your request.", "server_error", None, "internal_error")
-)
 
 
 class Timeouts(NamedTuple):
@@ -244,11 +240,12 @@ async def stream_response(
         except BackendError as exc:
             error = api_error_from_backend(exc)
             outcome.status, outcome.code = error.status, error.code or error.type
-            burst.append(fmt.error_frame(error))
-        except Exception:
+            burst.append(fmt.error_frame(public_error(error, request)))
+        except Exception as exc:
             logger.exception("stream of request %s failed after its first frame", request.state.request_id)
             outcome.status, outcome.code = 500, "internal_error"
-            burst.append(INTERNAL_ERROR_FRAME)
+            error = APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error", code="internal_error")
+            burst.append(fmt.error_frame(public_error(error, request)))
         finally:
             # A cancelled stream still aborts its backend work: the cancellation was spent at the pending await.
             await reader.aclose()

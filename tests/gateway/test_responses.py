@@ -9,6 +9,7 @@ from typing import Any, Literal
 import httpx
 import openai
 import pytest
+import structlog
 from pydantic import BaseModel, Field
 
 from gateway.config import GatewayConfig
@@ -412,7 +413,10 @@ def test_a_stream_past_its_deadline_ends_with_response_failed_and_is_not_stored(
     body = {"model": MODEL, "input": "go on", "max_output_tokens": 3000, "ignore_eos": True, "stream": True}
     try:
         with httpx.Client(base_url=running.base_url, timeout=30) as client:
-            with client.stream("POST", "/v1/responses", json=body) as response:
+            with (
+                structlog.testing.capture_logs() as logs,
+                client.stream("POST", "/v1/responses", json=body) as response,
+            ):
                 assert response.status_code == 200
                 events = sse_events(list(response.iter_lines()))
             for event in events:
@@ -422,7 +426,10 @@ def test_a_stream_past_its_deadline_ends_with_response_failed_and_is_not_stored(
             assert failed["type"] == "response.failed", "the stream ends with response.failed, not [DONE]"
             assert failed["response"]["status"] == "failed"
             assert failed["response"]["error"]["code"] == "server_error"
-            assert "deadline" in failed["response"]["error"]["message"]
+            request_id = response.headers["x-request-id"]
+            assert failed["response"]["error"]["message"] == f"The request timed out. (request id {request_id})"
+            (line,) = [line for line in logs if line.get("event") == "request" and line["request_id"] == request_id]
+            assert "deadline" in line["error_detail"], "the log says which deadline"
             streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
             assert streamed, "tokens flowed before the deadline"
             unfinished = failed["response"]["output"][0]

@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import structlog
 from pydantic import ValidationError
 
 from gateway.config import GatewayConfig
@@ -144,9 +145,14 @@ def test_a_store_that_cannot_write_is_counted_and_answers_500s_never_crashes(tmp
         client = _client(running)
         created = client.responses.create(model=MODEL, input="hi", max_output_tokens=4)
         assert created.output_text is not None
-        with pytest.raises(openai.InternalServerError) as caught:
+        with structlog.testing.capture_logs() as logs, pytest.raises(openai.InternalServerError) as caught:
             client.responses.retrieve(created.id)
-        assert "response store failed" in caught.value.message
+        request_id = caught.value.response.headers["x-request-id"]
+        message = caught.value.response.json()["error"]["message"]
+        assert message == f"The server had an error processing your request. (request id {request_id})"
+        assert "sqlite" not in caught.value.response.text.lower() and str(blocker) not in caught.value.response.text
+        (line,) = [line for line in logs if line.get("event") == "request" and line["request_id"] == request_id]
+        assert "response store failed" in line["error_detail"], "the detail goes to the log"
         metrics = httpx.get(f"{running.base_url}/metrics").text
         assert "gateway_response_store_write_failures_total 1.0" in metrics
         assert "gateway_responses_stored_total 0.0" in metrics
