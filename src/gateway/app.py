@@ -67,6 +67,7 @@ def create_app(
             open_response_store(
                 server.responses_store,
                 max_age=server.responses_max_age,
+                max_bytes=server.responses_max_bytes,
                 shared=store.client if store is not None else None,
             ),
             metrics.registry,

@@ -102,13 +102,21 @@ class ServerConfig(BaseModel):
     max_tools: int = Field(128, ge=0, description="upper bound for tools in a chat request")
     responses_store: str = Field(
         "sqlite",
-        pattern=r"^(memory|sqlite|sqlite://.+|state_store)$",
+        pattern=r"^(memory|sqlite|sqlite://.+|state_store|(redis|rediss|unix)://.+)$",
         description="where /v1/responses keeps stored responses: sqlite (responses.sqlite3 in "
-        "$DEEPINFER_GATEWAY_CACHE or ~/.cache/deepinfer-gateway), sqlite://PATH, memory, or state_store (the "
-        "Redis of server.state_store, shared by every replica)",
+        "$DEEPINFER_GATEWAY_CACHE or ~/.cache/deepinfer-gateway), sqlite://PATH, memory (one process), "
+        "redis://host:port/db (a Redis or Valkey of their own, shared by every replica), or state_store (the "
+        "Redis of server.state_store, shared with the budgets)",
+        repr=False,
     )
     responses_max_age: float | None = Field(
         30 * 24 * 3600.0, gt=0, description="seconds a stored response is kept; null: forever"
+    )
+    responses_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024,
+        description="bytes of stored responses (response plus input items, serialized) a store keeps at most; "
+        "past it the oldest are dropped",
     )
     token_reservation: int = Field(
         512,
@@ -131,6 +139,12 @@ class ServerConfig(BaseModel):
     def _responses_store_exists(self) -> ServerConfig:
         if self.responses_store == "state_store" and self.state_store is None:
             raise ValueError("responses_store: state_store needs server.state_store (redis://...)")
+        if self.responses_store == "memory" and self.workers > 1:
+            raise ValueError(
+                "responses_store: memory keeps responses in one process, and with server.workers > 1 a request "
+                "that continues one (previous_response_id) may reach another process: use sqlite (shared by the "
+                "processes of a host) or redis://..."
+            )
         return self
 
     def client_keys(self) -> list[ApiKeyConfig]:

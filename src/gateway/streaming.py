@@ -125,11 +125,19 @@ async def _within(deadline: _Deadline | None, wait: Callable[[], Awaitable[Event
     return event
 
 
+Completion = Callable[[], Awaitable[None]]
+"""Awaited once a response is complete and before its last event or its body goes out (the Responses API stores
+the response here, so a client's next request always finds it)."""
+
+
 class OpenAIFormat(Protocol):
-    done_frame: bytes | None  # the stream's last frame (chat and completions: [DONE])
+    done_frame: bytes | None  # what follows an error frame (chat and completions: [DONE])
 
     def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None: ...
-    def usage_frame(self, usage: Usage) -> bytes: ...
+    def end_frames(self, usage: Usage | None, include_usage: bool) -> bytes:
+        """The last frames of a stream that ended well (the usage when asked for, and what ends the stream)."""
+        ...
+
     def error_frame(self, error: APIError) -> bytes: ...
     def add(self, event: Delta | Finish | PromptEcho) -> None: ...
     def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]: ...
@@ -184,6 +192,7 @@ async def stream_response(
     headers: dict[str, str],
     timeouts: Timeouts | None = None,
     ping_seconds: float | None = 15.0,
+    on_complete: Completion | None = None,
 ) -> Response:
     """SSE response. Errors before the first token are plain HTTP errors; any later failure is an error frame
     followed by ``[DONE]``. A client that leaves cancels the request's task wherever it waits (``DisconnectWatch``),
@@ -203,9 +212,9 @@ async def stream_response(
         arrived together (one network read, a step's outputs queued while the loop was busy) cost one write."""
 
         def render(event: Event) -> bytes | None:
-            if isinstance(event, Usage):
+            if isinstance(event, Usage):  # the last event: its frame goes out with the stream's end
                 outcome.usage = event
-                return fmt.usage_frame(event) if include_usage else None
+                return None
             if isinstance(event, Delta):
                 observer.first_token()
             return fmt.frame(event)
@@ -249,11 +258,14 @@ async def stream_response(
         finally:
             # A cancelled stream still aborts its backend work: the cancellation was spent at the pending await.
             await reader.aclose()
-        if outcome.status is not None:
-            if fmt.done_frame is not None:
-                burst.append(fmt.done_frame)
-            if burst:
-                yield b"".join(burst)
+        if outcome.status == 200:
+            burst.append(fmt.end_frames(outcome.usage, include_usage))
+            if on_complete is not None:
+                await on_complete()
+        elif outcome.status is not None and fmt.done_frame is not None:
+            burst.append(fmt.done_frame)
+        if outcome.status is not None and burst:
+            yield b"".join(burst)
 
     return EventStreamResponse(
         frames(),
@@ -274,6 +286,7 @@ async def whole_response(
     want_logprobs: bool,
     headers: dict[str, str],
     timeouts: Timeouts | None = None,
+    on_complete: Completion | None = None,
 ) -> Response:
     deadline = _Deadline(timeouts) if timeouts else None
 
@@ -307,6 +320,8 @@ async def whole_response(
     await events.aclose()
     observer.finish(200, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
     body = orjson.dumps(fmt.response(usage, want_logprobs))
+    if on_complete is not None:
+        await on_complete()
     return Response(body, media_type="application/json", headers=headers)
 
 

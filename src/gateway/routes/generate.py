@@ -19,7 +19,7 @@ from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.responses import ChatFormat, CompletionFormat
 from gateway.routing.stream import RoutedStream
 from gateway.state import GatewayState, gateway_state
-from gateway.streaming import Timeouts, merge_prompts, stream_response, whole_response
+from gateway.streaming import Completion, Timeouts, merge_prompts, stream_response, whole_response
 
 router = APIRouter(tags=["generation"], route_class=OffloadedJSONRoute)  # 7 MiB bodies are parsed off the loop
 
@@ -72,6 +72,7 @@ async def _respond(
     stream: bool,
     include_usage: bool,
     want_logprobs: bool,
+    on_complete: Completion | None = None,
 ) -> Response:
     """Observes, labels and sends the routed event stream as SSE or as one response."""
     backend = events.backend
@@ -91,9 +92,17 @@ async def _respond(
             headers=headers,
             timeouts=timeouts,
             ping_seconds=state.config.server.ping_seconds,
+            on_complete=on_complete,
         )
     return await whole_response(
-        request, events, fmt, observer, want_logprobs=want_logprobs, headers=headers, timeouts=timeouts
+        request,
+        events,
+        fmt,
+        observer,
+        want_logprobs=want_logprobs,
+        headers=headers,
+        timeouts=timeouts,
+        on_complete=on_complete,
     )
 
 

@@ -2,7 +2,10 @@
 
 A request becomes a chat ``GenerateRequest`` (its input items, and those of the responses it continues, as chat
 messages), is routed, admitted, observed and streamed exactly as a chat completion is, and its events come back
-as Responses output items. Stored responses live in ``state.responses`` (``server.responses_store``).
+as Responses output items. Stored responses live in ``state.responses`` (``server.responses_store``) and belong
+to the tenant that created them: another tenant's id gets the answer an unknown id gets (404 here, and
+``previous_response_not_found`` when continued), so a response's existence is not revealed either. The admin key
+reads none of them (it is for operating the gateway, not for reading tenants' conversations).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from starlette.responses import Response
 
 from backends.errors import InvalidRequestError
 from backends.interface import GenerateRequest
+from gateway.auth import request_owner
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
 from gateway.openai.responses_api import (
@@ -47,9 +51,9 @@ def _not_found(response_id: str) -> APIError:
     return APIError(404, f"No response found with id '{response_id}'.", param="response_id", code="not_found")
 
 
-async def _history(state: GatewayState, previous_id: str) -> list[dict[str, Any]]:
+async def _history(state: GatewayState, previous_id: str, owner: str) -> list[dict[str, Any]]:
     """The items of the conversation so far: each earlier response's input items, then its output."""
-    chain = await _stored(state).chain(previous_id, state.config.server.max_messages)
+    chain = await _stored(state).chain(previous_id, owner, state.config.server.max_messages)
     if chain is None:
         raise APIError(
             400,
@@ -68,7 +72,8 @@ async def _history(state: GatewayState, previous_id: str) -> list[dict[str, Any]
 async def create_response(body: CreateResponseRequest, request: Request) -> Response:
     state = gateway_state(request)
     server = state.config.server
-    history = await _history(state, body.previous_response_id) if body.previous_response_id else []
+    owner = request_owner(request)
+    history = await _history(state, body.previous_response_id, owner) if body.previous_response_id else []
     unmatched = unmatched_call_output(history, body.items)
     if unmatched is not None:
         position, call_id = unmatched
@@ -97,16 +102,13 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     )
     response_id = new_id("resp")
     created_at = time.time()
+    fmt = ResponsesFormat(response_envelope(body, response_id, int(created_at)), want_logprobs=body.wants_logprobs())
 
-    def store(response: dict[str, Any]) -> None:
-        record = StoredResponse(response_id, created_at, response, body.items, body.previous_response_id)
-        _stored(state).save(record)
+    async def store() -> None:
+        assert fmt.final is not None
+        record = StoredResponse(response_id, created_at, fmt.final, body.items, body.previous_response_id, owner)
+        await _stored(state).save(record)
 
-    fmt = ResponsesFormat(
-        response_envelope(body, response_id, int(created_at)),
-        want_logprobs=body.wants_logprobs(),
-        on_complete=store if body.stores() else None,
-    )
     try:
         events = state.router.route(body.model, generate, request.headers, lambda b: b.generate(generate))
         return await _respond(
@@ -117,8 +119,9 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
             model=body.model,
             admission=admission,
             stream=body.stream,
-            include_usage=True,  # the usage ends a Responses stream: it carries response.completed
+            include_usage=True,  # the terminal event carries the usage
             want_logprobs=body.wants_logprobs(),
+            on_complete=store if body.stores() else None,
         )
     except InvalidRequestError as exc:  # the backend names chat parameters: name them as this request did
         exc.message = responses_message(exc.message)
@@ -128,7 +131,7 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
 
 @router.get("/v1/responses/{response_id}", response_model=None)
 async def retrieve_response(response_id: str, request: Request) -> Response:
-    record = await _stored(gateway_state(request)).get(response_id)
+    record = await _stored(gateway_state(request)).get(response_id, request_owner(request))
     if record is None:
         raise _not_found(response_id)
     return _json(record.response)
@@ -136,7 +139,7 @@ async def retrieve_response(response_id: str, request: Request) -> Response:
 
 @router.delete("/v1/responses/{response_id}", response_model=None)
 async def delete_response(response_id: str, request: Request) -> Response:
-    if not await _stored(gateway_state(request)).delete(response_id):
+    if not await _stored(gateway_state(request)).delete(response_id, request_owner(request)):
         raise _not_found(response_id)
     return _json({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -150,7 +153,7 @@ async def list_input_items(
     after: str | None = None,
 ) -> Response:
     """The input items the response was created with (not those of the responses it continued)."""
-    record = await _stored(gateway_state(request)).get(response_id)
+    record = await _stored(gateway_state(request)).get(response_id, request_owner(request))
     if record is None:
         raise _not_found(response_id)
     items = record.input_items if order == "asc" else record.input_items[::-1]
