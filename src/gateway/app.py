@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -33,12 +33,18 @@ GC_GEN0_THRESHOLD = 10_000
 
 
 def create_app(
-    config: GatewayConfig, backends: Mapping[str, Backend] | None = None, *, serve_once_started: bool = False
+    config: GatewayConfig,
+    backends: Mapping[str, Backend] | None = None,
+    *,
+    serve_once_started: bool = False,
+    budget_clock: Callable[[], float] | None = None,
 ) -> FastAPI:
     """Builds the app. Backends start in the background so ``/health`` answers at once and ``/ready`` tells
     when they are up (a DeepInfer engine can take minutes). With ``serve_once_started`` (one of several front-end
     processes on a shared socket) the app takes no connection before its backends have started, so a process
-    that is still starting never takes requests its siblings could serve."""
+    that is still starting never takes requests its siblings could serve. ``budget_clock`` is the clock per-key
+    budgets refill by, here and in the shared store (tests freeze it); by default this process's monotonic clock,
+    and the store's own clock for shared budgets."""
     start_errors: dict[str, str] = {}
     if backends is None:
         built: dict[str, Backend] = {}
@@ -61,7 +67,13 @@ def create_app(
         router=ModelRouter(config.models, backends, metrics.registry),
         metrics=metrics,
         start_errors=start_errors,
-        limits=KeyLimits(server, store=store, processes=server.workers),
+        limits=KeyLimits(
+            server,
+            store=store,
+            processes=server.workers,
+            registry=metrics.registry,
+            clock=budget_clock,
+        ),
         store=store,
         responses=StoredResponses(
             open_response_store(
@@ -89,6 +101,7 @@ def create_app(
         finally:
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
+            await state.limits.aclose()  # type: ignore[union-attr]  # settlements under way reach the store
             if watching is not None and store is not None:
                 watching.cancel()
                 await asyncio.gather(watching, return_exceptions=True)

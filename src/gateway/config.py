@@ -121,8 +121,8 @@ class ServerConfig(BaseModel):
     token_reservation: int = Field(
         512,
         ge=0,
-        description="tokens a request reserves from its key's tokens_per_minute when it names no max_tokens; "
-        "settled with its real usage when it ends",
+        description="output tokens a request reserves from its key's tokens_per_minute when it names no "
+        "max_tokens (its prompt estimate comes on top); settled with what it used when it ends",
     )
     state_store: str | None = Field(
         None,

@@ -125,9 +125,9 @@ async def _within(deadline: _Deadline | None, wait: Callable[[], Awaitable[Event
     return event
 
 
-Completion = Callable[[], Awaitable[None]]
-"""Awaited once a response is complete and before its last event or its body goes out (the Responses API stores
-the response here, so a client's next request always finds it)."""
+Completion = Callable[[Usage | None], Awaitable[None]]
+"""Awaited with the usage once a response is complete, before its last event or its body goes out: the key's
+budget is settled and the Responses API stores the response here, so the client's next request sees both."""
 
 
 class OpenAIFormat(Protocol):
@@ -170,16 +170,15 @@ class _Outcome:
 def _record(observer: RequestObserver, outcome: _Outcome, stalled: bool) -> None:
     """Counts a stream once it is over, whichever way it ended."""
     usage = outcome.usage
-    tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
     if stalled:
         observer.stalled("send_timeout")
-        observer.finish(SLOW_CLIENT_STATUS, *tokens, "stream_stalled")
+        observer.finish(SLOW_CLIENT_STATUS, usage, "stream_stalled")
     elif outcome.status is None:  # the client went away (or the server is stopping and cancelled the stream)
-        observer.finish(CLIENT_CLOSED_REQUEST, *tokens, "client_disconnected")
+        observer.finish(CLIENT_CLOSED_REQUEST, usage, "client_disconnected")
     else:
         if outcome.code == SlowClientError.code:
             observer.stalled("buffer_full")
-        observer.finish(outcome.status, *tokens, outcome.code)
+        observer.finish(outcome.status, usage, outcome.code)
 
 
 async def stream_response(
@@ -216,7 +215,7 @@ async def stream_response(
                 outcome.usage = event
                 return None
             if isinstance(event, Delta):
-                observer.first_token()
+                observer.output(event.tokens)
             return fmt.frame(event)
 
         reader = BurstReader(events)
@@ -261,7 +260,7 @@ async def stream_response(
         if outcome.status == 200:
             burst.append(fmt.end_frames(outcome.usage, include_usage))
             if on_complete is not None:
-                await on_complete()
+                await on_complete(outcome.usage)
         elif outcome.status is not None and fmt.done_frame is not None:
             burst.append(fmt.done_frame)
         if outcome.status is not None and burst:
@@ -299,7 +298,7 @@ async def whole_response(
                 usage = event
             else:
                 if isinstance(event, Delta):
-                    observer.first_token()
+                    observer.output(event.tokens)
                 fmt.add(event)
         return usage
 
@@ -318,10 +317,10 @@ async def whole_response(
         raise
     watch.close()
     await events.aclose()
-    observer.finish(200, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
     body = orjson.dumps(fmt.response(usage, want_logprobs))
     if on_complete is not None:
-        await on_complete()
+        await on_complete(usage)
+    observer.finish(200, usage)
     return Response(body, media_type="application/json", headers=headers)
 
 

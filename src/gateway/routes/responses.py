@@ -18,7 +18,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from backends.errors import InvalidRequestError
-from backends.interface import GenerateRequest
+from backends.interface import GenerateRequest, Usage
 from gateway.auth import request_owner
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
@@ -32,7 +32,7 @@ from gateway.openai.responses_api import (
 )
 from gateway.openai.responses_output import ResponsesFormat, response_envelope
 from gateway.response_store import StoredResponse, StoredResponses
-from gateway.routes.generate import _admit_client, _respond
+from gateway.routes.generate import _respond, admitted
 from gateway.state import GatewayState, gateway_state
 
 router = APIRouter(tags=["responses"], route_class=OffloadedJSONRoute)  # large inputs are parsed off the loop
@@ -51,8 +51,10 @@ def _not_found(response_id: str) -> APIError:
     return APIError(404, f"No response found with id '{response_id}'.", param="response_id", code="not_found")
 
 
-async def _history(state: GatewayState, previous_id: str, owner: str) -> list[dict[str, Any]]:
-    """The items of the conversation so far: each earlier response's input items, then its output."""
+async def _history(state: GatewayState, previous_id: str, owner: str) -> tuple[list[dict[str, Any]], int]:
+    """The items of the conversation so far (each earlier response's input items, then its output) and the
+    tokens they come to, as far as the last response's usage tells (its input was the whole conversation before
+    it)."""
     chain = await _stored(state).chain(previous_id, owner, state.config.server.max_messages)
     if chain is None:
         raise APIError(
@@ -65,7 +67,8 @@ async def _history(state: GatewayState, previous_id: str, owner: str) -> list[di
     for record in chain:
         items.extend(record.input_items)
         items.extend(record.response["output"])
-    return items
+    usage = chain[-1].response.get("usage") if chain else None
+    return items, usage["total_tokens"] if usage else 0
 
 
 @router.post("/v1/responses", response_model=None)
@@ -73,7 +76,9 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     state = gateway_state(request)
     server = state.config.server
     owner = request_owner(request)
-    history = await _history(state, body.previous_response_id, owner) if body.previous_response_id else []
+    history, history_tokens = (
+        await _history(state, body.previous_response_id, owner) if body.previous_response_id else ([], 0)
+    )
     unmatched = unmatched_call_output(history, body.items)
     if unmatched is not None:
         position, call_id = unmatched
@@ -87,42 +92,42 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
         raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="input")
     if body.tools and len(body.tools) > server.max_tools:
         raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
-    admission = await _admit_client(request, state, body.max_output_tokens)
-    generate = GenerateRequest(
-        request_id=request.state.request_id,
-        model=body.model,
-        messages=messages,
-        sampling=body.sampling_options(),
-        user=body.user,
-        tools=body.chat_tools(),
-        tool_choice=body.chat_tool_choice(),
-        parallel_tool_calls=body.parallel_tool_calls,
-        response_format=body.response_format(),
-        reasoning_effort=body.reasoning_effort(),
-    )
     response_id = new_id("resp")
     created_at = time.time()
     fmt = ResponsesFormat(response_envelope(body, response_id, int(created_at)), want_logprobs=body.wants_logprobs())
 
-    async def store() -> None:
+    async def store(_usage: Usage | None) -> None:
         assert fmt.final is not None
         record = StoredResponse(response_id, created_at, fmt.final, body.items, body.previous_response_id, owner)
         await _stored(state).save(record)
 
     try:
-        events = state.router.route(body.model, generate, request.headers, lambda b: b.generate(generate))
-        return await _respond(
-            request,
-            state,
-            events,
-            lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
-            model=body.model,
-            admission=admission,
-            stream=body.stream,
-            include_usage=True,  # the terminal event carries the usage
-            want_logprobs=body.wants_logprobs(),
-            on_complete=store if body.stores() else None,
-        )
+        async with admitted(request, state, body.max_output_tokens, prompt_tokens=history_tokens) as reservation:
+            generate = GenerateRequest(
+                request_id=request.state.request_id,
+                model=body.model,
+                messages=messages,
+                sampling=body.sampling_options(),
+                user=body.user,
+                tools=body.chat_tools(),
+                tool_choice=body.chat_tool_choice(),
+                parallel_tool_calls=body.parallel_tool_calls,
+                response_format=body.response_format(),
+                reasoning_effort=body.reasoning_effort(),
+            )
+            events = state.router.route(body.model, generate, request.headers, lambda b: b.generate(generate))
+            return await _respond(
+                request,
+                state,
+                events,
+                lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
+                model=body.model,
+                reservation=reservation,
+                stream=body.stream,
+                include_usage=True,  # the terminal event carries the usage
+                want_logprobs=body.wants_logprobs(),
+                on_complete=store if body.stores() else None,
+            )
     except InvalidRequestError as exc:  # the backend names chat parameters: name them as this request did
         exc.message = responses_message(exc.message)
         exc.param = responses_param(exc.param) if exc.param is not None else None
