@@ -14,16 +14,18 @@ while the store is down, each of a host's N front-end processes allows 1/N of ev
 backend's in-flight requests and keeps a bounded FIFO of waiters with a timeout: never an unbounded queue.
 
 The rules live here, away from any one API's routes: every API that generates (chat, completions, Responses, and
-any other) admits with ``KeyLimits.admit`` and hands the reservation to its ``RequestObserver`` (or releases it).
+any other) admits with ``admitted`` and hands the reservation to its ``RequestObserver``, whose end settles it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import time
+from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter
 from starlette.requests import Request
@@ -226,14 +228,22 @@ class KeyLimits:
         await self._local.adjust(key, capacity, delta)
 
 
-async def admit_request(
+@contextlib.asynccontextmanager
+async def admitted(
     request: Request, limits: KeyLimits, max_tokens: int | None, *, prompt_tokens: int = 0
-) -> Reservation:
-    """Admits an API request against the budgets of the key it came with: the prompt is estimated from the body
-    (plus ``prompt_tokens`` the body does not carry, e.g. a stored conversation it continues)."""
+) -> AsyncIterator[Reservation]:
+    """The request, admitted against the budgets of the key it came with (a 429 when they are spent): its prompt
+    estimated from its body, plus ``prompt_tokens`` the body does not carry (a stored conversation it continues).
+    Whatever fails inside the block before a backend takes the request over (routing, validation after admission)
+    gives the reservation back; once the request's observer holds it, the request's end settles it instead."""
     body = await request.body()  # read already (the route parsed it): the bytes are cached
     prompt = estimate_prompt_tokens(len(body)) + prompt_tokens
-    return await limits.admit(request_label(request), max_tokens, prompt)
+    reservation = await limits.admit(request_label(request), max_tokens, prompt)
+    try:
+        yield reservation
+    except BaseException:
+        await limits.release(reservation)
+        raise
 
 
 def _limits_of(key: ApiKeyConfig, server: ServerConfig) -> tuple[int | None, int | None]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import time
@@ -14,7 +13,7 @@ from starlette.responses import Response
 from backends.interface import Backend, Event, GenerateRequest, Usage
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
-from gateway.limits import KeyLimits, Reservation, admit_request
+from gateway.limits import KeyLimits, Reservation, admitted
 from gateway.metrics import RequestObserver
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.responses import ChatFormat, CompletionFormat
@@ -35,22 +34,6 @@ def _check_n(n: int, state: GatewayState) -> None:
 def _limits(state: GatewayState) -> KeyLimits:
     assert state.limits is not None
     return state.limits
-
-
-@contextlib.asynccontextmanager
-async def admitted(
-    request: Request, state: GatewayState, max_tokens: int | None, *, prompt_tokens: int = 0
-) -> AsyncIterator[Reservation]:
-    """The request, admitted against its key's budgets (a 429 when they are spent). Whatever fails before a
-    backend takes it over (routing, validation after admission) gives the reservation back; once ``_respond``
-    hands it to the request's observer, the request's end settles it."""
-    limits = _limits(state)
-    reservation = await admit_request(request, limits, max_tokens, prompt_tokens=prompt_tokens)
-    try:
-        yield reservation
-    except BaseException:
-        await limits.release(reservation)
-        raise
 
 
 def _timeouts(state: GatewayState) -> Timeouts:
@@ -142,7 +125,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if problem is not None:
         raise APIError(400, problem, param="tool_choice")
     limit = body.output_limit()
-    async with admitted(request, state, limit * body.n if limit is not None else None) as reservation:
+    async with admitted(request, _limits(state), limit * body.n if limit is not None else None) as reservation:
         generate = GenerateRequest(
             request_id=request.state.request_id,
             model=body.model,
@@ -184,7 +167,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts are allowed in one request.", param="prompt")
     reserve = body.max_tokens * len(prompts) * body.n if body.max_tokens is not None else None
-    async with admitted(request, state, reserve) as reservation:
+    async with admitted(request, _limits(state), reserve) as reservation:
         sampling = body.sampling_options(
             max_tokens=body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0
         )

@@ -22,6 +22,7 @@ from backends.interface import GenerateRequest, Usage
 from gateway.auth import request_owner
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
+from gateway.limits import admitted
 from gateway.openai.responses_api import (
     CreateResponseRequest,
     chat_messages,
@@ -32,7 +33,7 @@ from gateway.openai.responses_api import (
 )
 from gateway.openai.responses_output import ResponsesFormat, response_envelope
 from gateway.response_store import StoredResponse, StoredResponses
-from gateway.routes.generate import _respond, admitted
+from gateway.routes.generate import _respond
 from gateway.state import GatewayState, gateway_state
 
 router = APIRouter(tags=["responses"], route_class=OffloadedJSONRoute)  # large inputs are parsed off the loop
@@ -102,7 +103,9 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
         await _stored(state).save(record)
 
     try:
-        async with admitted(request, state, body.max_output_tokens, prompt_tokens=history_tokens) as reservation:
+        limits = state.limits
+        assert limits is not None
+        async with admitted(request, limits, body.max_output_tokens, prompt_tokens=history_tokens) as reservation:
             generate = GenerateRequest(
                 request_id=request.state.request_id,
                 model=body.model,
