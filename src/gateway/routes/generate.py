@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,7 @@ from gateway.routing.stream import RoutedStream
 from gateway.state import GatewayState, gateway_state
 from gateway.streaming import Completion, Timeouts, merge_prompts, stream_response, whole_response
 
+logger = logging.getLogger(__name__)
 router = APIRouter(tags=["generation"], route_class=OffloadedJSONRoute)  # 7 MiB bodies are parsed off the loop
 
 MAX_PROMPTS = 64
@@ -83,10 +85,14 @@ async def _respond(
     timeouts = _timeouts(state)
 
     async def completed(usage: Usage | None) -> None:
-        """Before the last byte: the response is stored (Responses API) and the key's budget settled."""
-        if on_complete is not None:
-            await on_complete(usage)
-        await limits.settle(reservation, observer.cost(200, usage), observer.log)
+        """Before the last byte: the response is stored (Responses API) and the key's budget settled. A failure
+        here is a bug (store failures are handled below), logged; the client still gets its whole response."""
+        try:
+            if on_complete is not None:
+                await on_complete(usage)
+            await limits.settle(reservation, observer.cost(200, usage), observer.log)
+        except Exception:
+            logger.exception("finishing request %s failed", request.state.request_id)
 
     if stream:
         return await stream_response(
