@@ -323,9 +323,9 @@ HASH_TAG = "{responses}"
 """Every key of the Redis store carries this hash tag: a put's script touches several of them (the record, the age
 index, the sizes), and Redis Cluster runs a multi-key script only over keys of one slot."""
 
-# KEYS: record, age index (zset id -> created_at), sizes (hash id -> bytes), total bytes.
+# KEYS: record, age index (zset id -> created_at), sizes (hash id -> bytes), total bytes, owners (hash id -> owner).
 # ARGV: id, value, size, created_at, max_bytes, ttl seconds (0: none), oldest created_at kept ('': no max age),
-#       prefix of record keys. Returns the number of responses evicted (-1: larger than the bound, not stored).
+#       prefix of record keys, owner. Returns the number of responses evicted (-1: larger than the bound, not stored).
 _PUT_SCRIPT = """
 local size = tonumber(ARGV[3])
 local max_bytes = tonumber(ARGV[5])
@@ -333,6 +333,7 @@ if size > max_bytes then return -1 end
 local function drop(id)
   local bytes = tonumber(redis.call('HGET', KEYS[3], id) or '0')
   redis.call('HDEL', KEYS[3], id)
+  redis.call('HDEL', KEYS[5], id)
   redis.call('ZREM', KEYS[2], id)
   redis.call('DEL', ARGV[8] .. id)
   redis.call('DECRBY', KEYS[4], bytes)
@@ -349,6 +350,7 @@ else
 end
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[1], size)
+redis.call('HSET', KEYS[5], ARGV[1], ARGV[9])
 local total = redis.call('INCRBY', KEYS[4], size)
 local evicted = 0
 while total > max_bytes do
@@ -361,15 +363,15 @@ end
 return evicted
 """
 
-# KEYS: record, age index, sizes, total bytes. ARGV: id, owner. Returns 1 when it deleted the owner's response.
+# KEYS: record, age index, sizes, total bytes, owners. ARGV: id, owner. Returns 1 when it deleted the owner's
+# response (an expired record's index entries go at the next put's age sweep).
 _DELETE_SCRIPT = """
-local raw = redis.call('GET', KEYS[1])
-if not raw then return 0 end
-if cjson.decode(raw)['owner'] ~= ARGV[2] then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[5], ARGV[1]) ~= ARGV[2] then return 0 end
 local bytes = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[5], ARGV[1])
 redis.call('DECRBY', KEYS[4], bytes)
 return 1
 """
@@ -399,7 +401,7 @@ class RedisResponseStore:
         self._max_bytes = max_bytes
         self._clock = clock
         self._records = f"{prefix}{HASH_TAG}:"
-        self._index = [f"{prefix}{HASH_TAG}#age", f"{prefix}{HASH_TAG}#sizes", f"{prefix}{HASH_TAG}#bytes"]
+        self._index = [f"{prefix}{HASH_TAG}#{name}" for name in ("age", "sizes", "bytes", "owners")]
         self._put = client.register_script(_PUT_SCRIPT)
         self._delete = client.register_script(_DELETE_SCRIPT)
 
@@ -435,6 +437,7 @@ class RedisResponseStore:
         ttl = max(1, round(self._max_age)) if self._max_age is not None else 0
         oldest = repr(self._clock() - self._max_age) if self._max_age is not None else ""
         args = [record.id, value, blob.size, repr(record.created_at), self._max_bytes, ttl, oldest, self._records]
+        args.append(record.owner)
         return int(await self._call(self._put(keys=self.keys_of(record.id), args=args)))
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
