@@ -7,7 +7,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,10 +71,13 @@ class RunningGateway:
         return self.engine_unfinished(backend) == 0 and self.driver_in_flight(backend) == 0
 
     def metric(self, sample: str, **labels: str) -> float:
-        """The sum of ``/metrics`` samples named ``sample`` whose labels include ``labels``."""
+        """The sum of ``/metrics`` samples named ``sample`` whose labels include ``labels`` (scraped with the admin
+        key, when the gateway has one)."""
+        admin = self.state.config.server.admin_api_key
+        headers = {"Authorization": f"Bearer {admin}"} if admin else {}
         return sum(
             found.value
-            for family in text_string_to_metric_families(httpx.get(f"{self.base_url}/metrics").text)
+            for family in text_string_to_metric_families(httpx.get(f"{self.base_url}/metrics", headers=headers).text)
             for found in family.samples
             if found.name == sample and all(found.labels.get(k) == v for k, v in labels.items())
         )
@@ -86,9 +89,10 @@ def start_gateway(
     backends: Mapping[str, Backend] | None = None,
     wait_for: str = "/ready",
     ready_timeout: float = 180.0,
+    budget_clock: Callable[[], float] | None = None,
 ) -> RunningGateway:
     """Runs uvicorn in a thread on 127.0.0.1 with a kernel-chosen port and waits until ``wait_for`` is 200."""
-    app = create_app(config, backends)
+    app = create_app(config, backends, budget_clock=budget_clock)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -112,6 +116,14 @@ def start_gateway(
 def stop_gateway(gateway: RunningGateway) -> None:
     gateway.server.should_exit = True
     gateway.thread.join(timeout=30)
+
+
+def logged_error_detail(logs: list[dict[str, object]]) -> str:
+    """The detail of the one server error in captured access-log lines (clients see only a generic message)."""
+    (detail,) = [
+        str(line["error_detail"]) for line in logs if line.get("event") == "request" and "error_detail" in line
+    ]
+    return detail
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:  # type: ignore[no-untyped-def]

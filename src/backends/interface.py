@@ -165,6 +165,10 @@ class Delta(NamedTuple):
     logprobs: Sequence[TokenLogprob] | None = None
     reasoning: str = ""
     tool_calls: Sequence[ToolCallDelta] | None = None
+    tokens: int = 0
+    """Output tokens generated for the choice since its previous delta (text a stop string or a parser held back
+    is counted with the delta that finally carries it). What a request that ends before its ``Usage`` is charged
+    by; 0 from a backend that cannot tell."""
 
 
 class Finish(NamedTuple):

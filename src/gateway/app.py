@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -39,12 +39,18 @@ GC_GEN0_THRESHOLD = 10_000
 
 
 def create_app(
-    config: GatewayConfig, backends: Mapping[str, Backend] | None = None, *, serve_once_started: bool = False
+    config: GatewayConfig,
+    backends: Mapping[str, Backend] | None = None,
+    *,
+    serve_once_started: bool = False,
+    budget_clock: Callable[[], float] | None = None,
 ) -> FastAPI:
     """Builds the app. Backends start in the background so ``/health`` answers at once and ``/ready`` tells
     when they are up (a DeepInfer engine can take minutes). With ``serve_once_started`` (one of several front-end
     processes on a shared socket) the app takes no connection before its backends have started, so a process
-    that is still starting never takes requests its siblings could serve."""
+    that is still starting never takes requests its siblings could serve. ``budget_clock`` is the clock per-key
+    budgets refill by, here and in the shared store (tests freeze it); by default this process's monotonic clock,
+    and the store's own clock for shared budgets."""
     start_errors: dict[str, str] = {}
     if backends is None:
         built: dict[str, Backend] = {}
@@ -68,12 +74,19 @@ def create_app(
         router=ModelRouter(config.models, backends, metrics.registry, tracing=tracing),
         metrics=metrics,
         start_errors=start_errors,
-        limits=KeyLimits(server, store=store, processes=server.workers),
+        limits=KeyLimits(
+            server,
+            store=store,
+            processes=server.workers,
+            registry=metrics.registry,
+            clock=budget_clock,
+        ),
         store=store,
         responses=StoredResponses(
             open_response_store(
                 server.responses_store,
                 max_age=server.responses_max_age,
+                max_bytes=server.responses_max_bytes,
                 shared=store.client if store is not None else None,
             ),
             metrics.registry,
@@ -97,6 +110,7 @@ def create_app(
         finally:
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
+            await state.limits.aclose()  # type: ignore[union-attr]  # settlements under way reach the store
             if watching is not None and store is not None:
                 watching.cancel()
                 await asyncio.gather(watching, return_exceptions=True)
@@ -120,7 +134,12 @@ def create_app(
     app.include_router(tokenize.router)
     app.include_router(operations.router)
     app.include_router(admin.router)
-    app.add_middleware(ApiKeyMiddleware, client_keys=config.server.client_keys(), admin_key=config.server.admin_api_key)
+    app.add_middleware(
+        ApiKeyMiddleware,
+        client_keys=config.server.client_keys(),
+        admin_key=config.server.admin_api_key,
+        public_metrics=config.server.public_metrics,
+    )
     app.add_middleware(
         RequestContextMiddleware,
         max_body_bytes=config.server.max_body_bytes,

@@ -1,6 +1,13 @@
-"""API-key authentication as pure ASGI middleware: /v1 needs a client key, /metrics and /admin the admin key.
+"""API-key authentication as pure ASGI middleware, and who a request acts for.
 
-Keys are compared in constant time, never logged or echoed; the request's state carries only the key's label.
+``/v1`` (and every other path not listed below) needs a client key once ``server.api_keys`` is set. The operator's
+endpoints, ``/admin`` and everything under ``/admin/``, need ``server.admin_api_key``; with client keys set and no
+admin key they are refused (fail closed), never open to anyone. ``/metrics`` is an operator endpoint too (its labels
+name models, backends and API keys), unless ``server.public_metrics`` opens it for a Prometheus that scrapes
+without credentials. Only ``/health`` and ``/ready`` are always open, matched exactly.
+
+Keys are compared in constant time, never logged or echoed; the request's state carries only the key's label (for
+logs, metrics and budgets) and its owner (whose stored responses it may read).
 """
 
 from __future__ import annotations
@@ -8,13 +15,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.config import ApiKeyConfig
 from gateway.errors import APIError, error_body
 
-OPEN_PATHS = ("/health", "/ready")
-ADMIN_PREFIXES = ("/metrics", "/admin")
+OPEN_PATHS = frozenset({"/health", "/ready"})
+METRICS_PATH = "/metrics"
+ADMIN_ROOT = "/admin"
+ANONYMOUS = "anonymous"
+"""The label of requests on a gateway without client keys (one tenant: everyone)."""
+SINGLE_OWNER = ""
+"""The owner of everything stored on a gateway without client keys."""
 ADMIN_SCOPE = "admin"
 """Key in an open path's request state: True when the caller may see operator detail (``is_admin``)."""
 
@@ -27,12 +40,43 @@ def key_label(config: ApiKeyConfig, position: int) -> str:
     return config.name or f"key-{position}"
 
 
+def key_owner(config: ApiKeyConfig) -> str:
+    """Who owns what a key stores: its name (keys sharing a name are one tenant, so a rotated key keeps its
+    conversations), or for a key without a name a digest of the key itself (stable when keys are reordered,
+    unlike its ``key-N`` label)."""
+    if config.name:
+        return f"name:{config.name}"
+    return f"key:{_digest(config.key).hex()[:32]}"
+
+
+def request_label(request: Request) -> str:
+    """The label of the key a request came with (``anonymous`` without client keys)."""
+    return getattr(request.state, "api_key", None) or ANONYMOUS
+
+
+def request_owner(request: Request) -> str:
+    """The tenant a request acts for: the owner of its key, or the single owner without client keys."""
+    return getattr(request.state, "owner", None) or SINGLE_OWNER
+
+
+def is_admin_path(path: str) -> bool:
+    return path == ADMIN_ROOT or path.startswith(ADMIN_ROOT + "/")
+
+
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, *, client_keys: list[ApiKeyConfig], admin_key: str | None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        client_keys: list[ApiKeyConfig],
+        admin_key: str | None,
+        public_metrics: bool = False,
+    ) -> None:
         self.app = app
         # Comparing fixed-size digests keeps the comparison constant-time whatever the keys' lengths.
-        self._clients = [(_digest(k.key), key_label(k, i)) for i, k in enumerate(client_keys)]
+        self._clients = [(_digest(k.key), key_label(k, i), key_owner(k)) for i, k in enumerate(client_keys)]
         self._admin = _digest(admin_key) if admin_key else None
+        self._public_metrics = public_metrics
 
     def is_admin(self, presented: str | None) -> bool:
         """May this caller see what ``/admin`` shows: the admin key when one is set; anyone when no key at all is
@@ -46,26 +90,38 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        if path.startswith(OPEN_PATHS):  # open, but only an admin sees their operator detail (``ADMIN_SCOPE``)
+        if path in OPEN_PATHS:  # open, but only an admin sees their operator detail (``ADMIN_SCOPE``)
             scope.setdefault("state", {})[ADMIN_SCOPE] = self.is_admin(_presented_key(scope))
             await self.app(scope, receive, send)
             return
+        if path == METRICS_PATH and self._public_metrics:
+            await self.app(scope, receive, send)
+            return
         presented = _presented_key(scope)
-        if path.startswith(ADMIN_PREFIXES):
-            if self._admin is not None and not _matches(presented, self._admin):
-                await _unauthorized(scope, send, "This endpoint needs the admin API key.")
+        if path == METRICS_PATH or is_admin_path(path):
+            if self._admin is not None:
+                if not _matches(presented, self._admin):
+                    await _refuse(scope, send, 401, "This endpoint needs the admin API key.", "invalid_api_key")
+                    return
+            elif self._clients:
+                message = (
+                    "This endpoint needs the admin API key, and server.admin_api_key is not set: operator "
+                    "endpoints stay closed while client keys (server.api_keys) are configured."
+                )
+                await _refuse(scope, send, 403, message, "admin_key_not_configured")
                 return
         elif self._clients:
-            label = _client_label(presented, self._clients)
-            if label is None:
+            found = _client(presented, self._clients)
+            if found is None:
                 message = (
                     "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
                     if presented is None
                     else "Incorrect API key provided."
                 )
-                await _unauthorized(scope, send, message)
+                await _refuse(scope, send, 401, message, "invalid_api_key")
                 return
-            scope.setdefault("state", {})["api_key"] = label
+            state = scope.setdefault("state", {})
+            state["api_key"], state["owner"] = found
         await self.app(scope, receive, send)
 
 
@@ -84,38 +140,26 @@ def _matches(presented: str | None, expected: bytes) -> bool:
     return presented is not None and hmac.compare_digest(_digest(presented), expected)
 
 
-def _client_label(presented: str | None, clients: list[tuple[bytes, str]]) -> str | None:
+def _client(presented: str | None, clients: list[tuple[bytes, str, str]]) -> tuple[str, str] | None:
+    """The (label, owner) of the presented key, if it is a client key."""
     if presented is None:
         return None
     digest = _digest(presented)
     found = None
-    for expected, label in clients:  # no early exit: the time taken does not depend on which key matched
+    for expected, label, owner in clients:  # no early exit: the time taken does not depend on which key matched
         if hmac.compare_digest(digest, expected):
-            found = label
+            found = (label, owner)
     return found
 
 
-def _unauthorized_body(scope: Scope, message: str) -> bytes:
-    """The 401's body in the words of the API the client called (Anthropic's ``authentication_error`` on the
-    Messages routes, OpenAI's ``invalid_api_key`` elsewhere)."""
-    error = APIError(401, message, code="invalid_api_key")
-    return error_body(error, scope["path"], scope.get("state", {}).get("request_id"))
-
-
-async def _unauthorized(scope: Scope, send: Send, message: str) -> None:
+async def _refuse(scope: Scope, send: Send, status: int, message: str, code: str) -> None:
     log = scope.get("state", {}).get("log")
     if log is not None:  # the access-log line says why (the request context middleware runs outside this one)
-        log["error_code"] = "invalid_api_key"
-    body = _unauthorized_body(scope, message)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b'Bearer realm="deepinfer-gateway"'),
-            ],
-        }
-    )
+        log["error_code"] = code
+    # In the words of the API the client called: Anthropic's error types on the Messages routes, OpenAI's elsewhere.
+    body = error_body(APIError(status, message, code=code), scope["path"], scope.get("state", {}).get("request_id"))
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="deepinfer-gateway"'))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -3,7 +3,8 @@
 A take is all-or-nothing over several buckets (a key's request bucket and its token bucket): either every
 bucket holds what the take requires and each gives its amount, or none changes. That is what makes a budget
 exact across processes: with Redis, one Lua script does the refill, the check and the take atomically, on the
-server's clock, so every replica sees the same levels.
+server's clock, so every replica sees the same levels. A key's buckets share one hash tag (``bucket_key``), so the
+script's keys are in one Redis Cluster slot.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class BudgetStore(Protocol):
     async def adjust(self, key: str, capacity: float, delta: float) -> None:
         """Adds ``delta`` (negative: charges more than was reserved) to a bucket, never above its capacity."""
         ...
+
+
+def bucket_key(label: str, kind: str) -> str:
+    """A key's bucket of ``kind`` (``requests``, ``tokens``). The label is the hash tag: a take over a key's
+    buckets touches keys of one Redis Cluster slot (a multi-key script across slots fails with CROSSSLOT)."""
+    return f"{{{label}}}:{kind}"
 
 
 def seconds_until(level: float, require: float, capacity: float) -> float:
@@ -87,11 +94,20 @@ class LocalBudgets:
         bucket.level = min(capacity * self.share, bucket.level + delta)
 
 
-# KEYS: one bucket hash per draw. ARGV: capacity, require, amount for each draw, in KEYS order.
-# The refill uses the server's clock, so replicas with skewed clocks still agree.
-_TAKE_SCRIPT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+# KEYS: one bucket hash per draw. ARGV: capacity, require, amount for each draw, in KEYS order, then the clock
+# ('': the server's, so replicas with skewed clocks still agree), then the window.
+_NOW = """
+local now
+if ARGV[#ARGV - 1] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+else
+  now = tonumber(ARGV[#ARGV - 1])
+end
+"""
+_TAKE_SCRIPT = (
+    _NOW
+    + """
 local window = tonumber(ARGV[#ARGV])
 local levels = {}
 local granted = 1
@@ -115,12 +131,14 @@ for i, key in ipairs(KEYS) do
 end
 return out
 """
+)
 
-_ADJUST_SCRIPT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+# KEYS: the bucket. ARGV: capacity, delta, the clock ('': the server's), the window.
+_ADJUST_SCRIPT = (
+    _NOW
+    + """
 local capacity = tonumber(ARGV[1])
-local window = tonumber(ARGV[3])
+local window = tonumber(ARGV[4])
 local state = redis.call('HMGET', KEYS[1], 'level', 'updated')
 local level = tonumber(state[1]) or capacity
 local updated = tonumber(state[2]) or now
@@ -129,26 +147,35 @@ redis.call('HSET', KEYS[1], 'level', tostring(level), 'updated', tostring(now))
 redis.call('EXPIRE', KEYS[1], math.ceil(2 * window))
 return tostring(level)
 """
+)
 
 
 class RedisBudgets:
-    """Buckets in Redis (or Valkey), shared by every process and replica that uses the same server."""
+    """Buckets in Redis (or Valkey), shared by every process and replica that uses the same server. They refill
+    on the server's clock, or on ``clock`` when one is given (every replica must then share it: tests)."""
 
-    def __init__(self, client: object, prefix: str = "gateway:budget:") -> None:
+    def __init__(self, client: object, prefix: str = "gateway:budget:", clock: Clock | None = None) -> None:
         from redis.asyncio import Redis
 
         assert isinstance(client, Redis)
         self._prefix = prefix
+        self._clock = clock
         self._take = client.register_script(_TAKE_SCRIPT)
         self._adjust = client.register_script(_ADJUST_SCRIPT)
 
+    def keys_of(self, draws: Sequence[Draw]) -> list[str]:
+        return [self._prefix + d.key for d in draws]
+
+    def _now(self) -> str:
+        return repr(self._clock()) if self._clock is not None else ""
+
     async def take(self, draws: Sequence[Draw]) -> Take:
-        args: list[float] = []
+        args: list[float | str] = []
         for draw in draws:
             args += [draw.capacity, min(draw.require, draw.capacity), draw.amount]
-        args.append(WINDOW_SECONDS)
-        result = await self._take(keys=[self._prefix + d.key for d in draws], args=args)
+        args += [self._now(), WINDOW_SECONDS]
+        result = await self._take(keys=self.keys_of(draws), args=args)
         return Take(bool(int(result[0])), tuple(float(level) for level in result[1:]))
 
     async def adjust(self, key: str, capacity: float, delta: float) -> None:
-        await self._adjust(keys=[self._prefix + key], args=[capacity, delta, WINDOW_SECONDS])
+        await self._adjust(keys=[self._prefix + key], args=[capacity, delta, self._now(), WINDOW_SECONDS])

@@ -55,7 +55,15 @@ class ServerConfig(BaseModel):
     api_keys: list[str | ApiKeyConfig] = Field(
         default_factory=list, description="client keys for /v1 (Bearer or x-api-key); empty: no auth", repr=False
     )
-    admin_api_key: str | None = Field(None, min_length=8, description="protects /metrics and /admin", repr=False)
+    admin_api_key: str | None = Field(
+        None,
+        min_length=8,
+        description="protects /metrics and /admin; with api_keys set and no admin key, both are refused (403)",
+        repr=False,
+    )
+    public_metrics: bool = Field(
+        False, description="serve /metrics without a key (its labels name models, backends and API keys)"
+    )
     thinking_signature_key: str | None = Field(
         None,
         min_length=16,
@@ -115,19 +123,27 @@ class ServerConfig(BaseModel):
     max_tools: int = Field(128, ge=0, description="upper bound for tools in a chat request")
     responses_store: str = Field(
         "sqlite",
-        pattern=r"^(memory|sqlite|sqlite://.+|state_store)$",
+        pattern=r"^(memory|sqlite|sqlite://.+|state_store|(redis|rediss|unix)://.+)$",
         description="where /v1/responses keeps stored responses: sqlite (responses.sqlite3 in "
-        "$DEEPINFER_GATEWAY_CACHE or ~/.cache/deepinfer-gateway), sqlite://PATH, memory, or state_store (the "
-        "Redis of server.state_store, shared by every replica)",
+        "$DEEPINFER_GATEWAY_CACHE or ~/.cache/deepinfer-gateway), sqlite://PATH, memory (one process), "
+        "redis://host:port/db (a Redis or Valkey of their own, shared by every replica), or state_store (the "
+        "Redis of server.state_store, shared with the budgets)",
+        repr=False,
     )
     responses_max_age: float | None = Field(
         30 * 24 * 3600.0, gt=0, description="seconds a stored response is kept; null: forever"
     )
+    responses_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024,
+        description="bytes of stored responses (response plus input items, serialized) a store keeps at most; "
+        "past it the oldest are dropped",
+    )
     token_reservation: int = Field(
         512,
         ge=0,
-        description="tokens a request reserves from its key's tokens_per_minute when it names no max_tokens; "
-        "settled with its real usage when it ends",
+        description="output tokens a request reserves from its key's tokens_per_minute when it names no "
+        "max_tokens (its prompt estimate comes on top); settled with what it used when it ends",
     )
     state_store: str | None = Field(
         None,
@@ -156,6 +172,12 @@ class ServerConfig(BaseModel):
     def _responses_store_exists(self) -> ServerConfig:
         if self.responses_store == "state_store" and self.state_store is None:
             raise ValueError("responses_store: state_store needs server.state_store (redis://...)")
+        if self.responses_store == "memory" and self.workers > 1:
+            raise ValueError(
+                "responses_store: memory keeps responses in one process, and with server.workers > 1 a request "
+                "that continues one (previous_response_id) may reach another process: use sqlite (shared by the "
+                "processes of a host) or redis://..."
+            )
         return self
 
     def client_keys(self) -> list[ApiKeyConfig]:

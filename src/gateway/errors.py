@@ -81,11 +81,37 @@ def error_body(error: APIError, path: str, request_id: str | None = None) -> byt
     return orjson.dumps(error_payload(error.message, error.type, error.param, error.code))
 
 
+SERVER_ERROR_MESSAGES = {
+    500: "The server had an error processing your request.",
+    502: "The model's server had an error processing your request.",
+    503: "The model is not available right now; retry later.",
+    504: "The request timed out.",
+}
+"""What a client reads of a server error: the detail (store errors, upstream URLs, backend names) is the operator's
+and goes to the log."""
+
+
+def public_error(error: APIError, request: Request | None) -> APIError:
+    """``error`` as the client may see it. A client mistake (4xx) is shown as it is; a server error (5xx) gets a
+    generic message with the request id, and its detail goes into the request's access-log line."""
+    if error.status < 500:
+        return error
+    request_id = getattr(request.state, "request_id", None) if request is not None else None
+    log = getattr(request.state, "log", None) if request is not None else None
+    if log is not None:
+        log["error_detail"] = error.message
+    generic = SERVER_ERROR_MESSAGES.get(error.status, SERVER_ERROR_MESSAGES[500])
+    message = f"{generic} (request id {request_id})" if request_id else generic
+    return APIError(error.status, message, type=error.type, param=error.param, code=error.code, headers=error.headers)
+
+
 def error_response(error: APIError, request: Request | None = None) -> Response:
-    """The error as the API's JSON body (``error_body``); its code goes into the request's access-log line."""
+    """The error as the API's JSON body (``error_body`` of ``public_error``); its code goes into the request's
+    access-log line."""
     log = getattr(request.state, "log", None) if request is not None else None
     if log is not None:
         log["error_code"] = error.code or error.type
+    error = public_error(error, request)
     path = request.url.path if request is not None else ""
     request_id = getattr(request.state, "request_id", None) if request is not None else None
     body = error_body(error, path, request_id)
@@ -275,7 +301,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.url.path)
-        error = APIError(500, "The server had an error processing your request.", type="server_error")
+        error = APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error", code="internal_error")
         return error_response(error, request)
 
     app.add_exception_handler(APIError, on_api_error)

@@ -1,38 +1,83 @@
 """Per-key request and token limits (429) and per-backend admission control (503), both with Retry-After.
 
 Budgets are token buckets that refill over a minute (``gateway.budgets``). A request takes one request and
-reserves tokens when it is admitted (its ``max_tokens``, or ``server.token_reservation`` when it names none,
-never more than the budget), and is settled with its real usage when it ends, so concurrent requests cannot all
-pass a spent budget. With ``server.state_store`` the buckets live in Redis and are exact across processes and
-replicas; without it, or while the store is down, each of a host's N front-end processes allows 1/N of every
-budget. Admission bounds a backend's in-flight requests and keeps a bounded FIFO of waiters with a timeout:
-never an unbounded queue.
+reserves tokens when it is admitted: its prompt, estimated from the size of what the client sent
+(``estimate_prompt_tokens``), plus its ``max_tokens`` (or ``server.token_reservation`` when it names none), never
+more than the whole budget; so concurrent requests cannot all pass a spent budget. When it ends, whichever way,
+the reservation is settled with what the request used (``KeyLimits.settle``): the backend's usage when it reported
+one; otherwise the output tokens the gateway forwarded plus the prompt estimate (a client that hangs up, a deadline,
+a stall, a failure mid-stream, an upstream stream cut before its usage). A request that never reached a backend,
+or that the backend refused before producing anything, gives its whole reservation back.
+
+With ``server.state_store`` the buckets live in Redis and are exact across processes and replicas; without it, or
+while the store is down, each of a host's N front-end processes allows 1/N of every budget. Admission bounds a
+backend's in-flight requests and keeps a bounded FIFO of waiters with a timeout: never an unbounded queue.
+
+The rules live here, away from any one API's routes: every API that generates (chat, completions, Responses, and
+any other) admits with ``admitted`` and hands the reservation to its ``RequestObserver``, whose end settles it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import time
-from typing import NamedTuple
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter
+from starlette.requests import Request
 
 from backends.errors import OverloadedError
-from gateway.budgets import BudgetStore, Clock, Draw, LocalBudgets, RedisBudgets, Take, seconds_until
+from gateway.auth import key_label, request_label
+from gateway.budgets import BudgetStore, Clock, Draw, LocalBudgets, RedisBudgets, Take, bucket_key, seconds_until
 from gateway.config import ApiKeyConfig, ServerConfig
 from gateway.errors import APIError
+from gateway.metrics import RequestCost
 from gateway.state_store import SharedStateStore
 
 logger = logging.getLogger(__name__)
 
+BYTES_PER_TOKEN = 4
+"""What a prompt is reserved at before it is tokenized: a token per 4 bytes of what the client sent (a JSON
+body is at least as long as its text; English text runs at about 4 bytes per token, other scripts at fewer)."""
+CHARGED_WITHOUT_OUTPUT = frozenset({408, 499, 504})
+"""Ends before any output that still cost the backend the prompt: the client left (or stopped reading), or the
+deadline passed while the backend worked on it. Any other end before output (the backend refused the request,
+was unavailable or failed) charges nothing."""
 
-class Admission(NamedTuple):
-    """What admitting a request took from its key's budgets, and the rate-limit headers to send."""
 
-    label: str
-    reserved_tokens: int
-    headers: dict[str, str]
+def estimate_prompt_tokens(body_bytes: int) -> int:
+    """The tokens a prompt is reserved at, from the size of the request body that carries it."""
+    return math.ceil(body_bytes / BYTES_PER_TOKEN)
+
+
+class Reservation:
+    """What admitting a request took from its key's budgets (and the rate-limit headers to send). Settled once:
+    with the request's cost when it ends (``KeyLimits.settle``), or released whole (``KeyLimits.release``)."""
+
+    __slots__ = ("headers", "label", "pending", "prompt_estimate", "reserved_tokens", "settled")
+
+    def __init__(self, label: str, reserved_tokens: int, prompt_estimate: int, headers: dict[str, str]) -> None:
+        self.label = label
+        self.reserved_tokens = reserved_tokens
+        self.prompt_estimate = prompt_estimate
+        self.headers = headers
+        self.settled = False
+        self.pending: asyncio.Task[None] | None = None
+        """The settlement ``settle_soon`` started, until it is done."""
+
+
+def tokens_used(reservation: Reservation, cost: RequestCost) -> int:
+    """What a request is charged: its usage when the backend reported one; else the output it forwarded plus its
+    prompt estimate, if the backend worked on it (see ``CHARGED_WITHOUT_OUTPUT``); else nothing."""
+    if cost.usage is not None:
+        return cost.usage.prompt_tokens + cost.usage.completion_tokens
+    if not cost.output_started and cost.status not in CHARGED_WITHOUT_OUTPUT:
+        return 0
+    return reservation.prompt_estimate + cost.output_tokens
 
 
 class KeyLimits:
@@ -44,35 +89,48 @@ class KeyLimits:
         *,
         store: SharedStateStore | None = None,
         processes: int = 1,
-        clock: Clock = time.monotonic,
+        clock: Clock | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
+        """``clock`` refills the buckets, here and in the store; None: this process's monotonic clock here and
+        the store's own clock there, so that replicas agree (tests give every replica one frozen clock)."""
         self._limits: dict[str, tuple[int | None, int | None]] = {}
         for position, key in enumerate(server.client_keys()):
-            label = key.name or f"key-{position}"
-            self._limits[label] = _limits_of(key, server)
+            self._limits[key_label(key, position)] = _limits_of(key, server)
         self._default = (server.requests_per_minute, server.tokens_per_minute)
         self._reservation = server.token_reservation
-        self._local = LocalBudgets(clock, share=1.0 / processes)
+        self._local = LocalBudgets(clock or time.monotonic, share=1.0 / processes)
         self.store = store
-        self._shared: BudgetStore | None = RedisBudgets(store.client) if store is not None else None
+        self._shared: BudgetStore | None = RedisBudgets(store.client, clock=clock) if store is not None else None
         self._settling: set[asyncio.Task[None]] = set()
+        self.charged = Counter(
+            "gateway_key_tokens",
+            "Tokens charged to each API key when its requests ended (prompt plus completion; see README, Per-key "
+            "limits), whether or not the key has a token budget.",
+            ("key",),
+            registry=registry,
+        )
+        self.refused = Counter(
+            "gateway_key_rate_limited", "Requests refused with 429 by a key's budget.", ("key",), registry=registry
+        )
 
     def limits_of(self, label: str) -> tuple[int | None, int | None]:
         return self._limits.get(label, self._default)
 
-    async def admit(self, label: str, max_tokens: int | None) -> Admission:
-        """Takes one request and reserves tokens from the key's budgets; raises a 429 with Retry-After when
-        a budget cannot cover it."""
+    async def admit(self, label: str, max_tokens: int | None, prompt_estimate: int) -> Reservation:
+        """Takes one request and reserves the prompt estimate plus ``max_tokens`` from the key's budgets; raises a
+        429 with Retry-After when a budget cannot cover it."""
         rpm, tpm = self.limits_of(label)
         if rpm is None and tpm is None:
-            return Admission(label, 0, {})
+            return Reservation(label, 0, prompt_estimate, {})
         draws: list[Draw] = []
         reserved = 0
         if rpm is not None:
-            draws.append(Draw(f"{label}:requests", rpm, 1, 1))
+            draws.append(Draw(bucket_key(label, "requests"), rpm, 1, 1))
         if tpm is not None:
-            reserved = min(tpm, max_tokens if max_tokens is not None else self._reservation)
-            draws.append(Draw(f"{label}:tokens", tpm, max(1, reserved), reserved))
+            output = max_tokens if max_tokens is not None else self._reservation
+            reserved = min(tpm, prompt_estimate + output)
+            draws.append(Draw(bucket_key(label, "tokens"), tpm, max(1, reserved), reserved))
         take = await self._take(draws)
         headers: dict[str, str] = {}
         waits: list[float] = []
@@ -84,6 +142,7 @@ class KeyLimits:
             if not take.granted and level < min(draw.require, draw.capacity):
                 waits.append(seconds_until(level, min(draw.require, draw.capacity), draw.capacity))
         if not take.granted:
+            self.refused.labels(label).inc()
             retry = max(waits, default=1.0)
             raise APIError(
                 429,
@@ -92,17 +151,59 @@ class KeyLimits:
                 code="rate_limit_exceeded",
                 headers={**headers, "Retry-After": str(max(1, math.ceil(retry)))},
             )
-        return Admission(label, reserved, headers)
+        return Reservation(label, reserved, prompt_estimate, headers)
 
-    def settle(self, admission: Admission, used_tokens: int) -> None:
-        """Charges the request's real usage against what it reserved (called once, when it ends)."""
-        _, tpm = self.limits_of(admission.label)
-        delta = admission.reserved_tokens - used_tokens
-        if tpm is None or delta == 0:
+    async def settle(self, reservation: Reservation, cost: RequestCost, log: dict[str, object] | None = None) -> None:
+        """Charges the request's cost against what it reserved, once (later calls change nothing), and notes the
+        charge in its access-log line; returns when the budget holds the result, so a request's last byte can
+        wait for it and the client's next request sees true ``x-ratelimit-*`` headers."""
+        used = self._charge(reservation, cost, log)
+        if used is not None:
+            await self._settle(reservation, used)
+
+    def settle_soon(self, reservation: Reservation, cost: RequestCost, log: dict[str, object] | None = None) -> None:
+        """``settle`` from code that cannot wait (the end of a request as its observer sees it)."""
+        used = self._charge(reservation, cost, log)
+        if used is not None:
+            task = reservation.pending = asyncio.get_running_loop().create_task(self._settle(reservation, used))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    def _charge(self, reservation: Reservation, cost: RequestCost, log: dict[str, object] | None) -> int | None:
+        if reservation.settled:
+            return None
+        reservation.settled = True
+        used = tokens_used(reservation, cost)
+        if log is not None:
+            log["charged_tokens"] = used
+        return used
+
+    async def _settle(self, reservation: Reservation, used: int) -> None:
+        await self._refund(reservation, reservation.reserved_tokens - used)
+        if used:
+            self.charged.labels(reservation.label).inc(used)
+        reservation.pending = None
+
+    async def release(self, reservation: Reservation) -> None:
+        """Gives the whole reservation back: the request failed before a backend took it (unknown model, no
+        route, a validation error after admission). A reservation its observer settled already is left as it is
+        (this waits for that settlement): the request did reach a backend."""
+        if reservation.settled:
+            if reservation.pending is not None:
+                await asyncio.shield(reservation.pending)
             return
-        task = asyncio.get_running_loop().create_task(self._adjust(f"{admission.label}:tokens", tpm, delta))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        reservation.settled = True
+        await self._refund(reservation, reservation.reserved_tokens)
+
+    async def _refund(self, reservation: Reservation, delta: int) -> None:
+        _, tpm = self.limits_of(reservation.label)
+        if tpm is not None and delta != 0:
+            await self._adjust(bucket_key(reservation.label, "tokens"), tpm, delta)
+
+    async def aclose(self) -> None:
+        """Waits for the settlements under way (for shutdown)."""
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
 
     async def _take(self, draws: list[Draw]) -> Take:
         if self._shared is not None and self.store is not None and self.store.usable():
@@ -125,6 +226,24 @@ class KeyLimits:
                 self.store.succeeded()
                 return
         await self._local.adjust(key, capacity, delta)
+
+
+@contextlib.asynccontextmanager
+async def admitted(
+    request: Request, limits: KeyLimits, max_tokens: int | None, *, prompt_tokens: int = 0
+) -> AsyncIterator[Reservation]:
+    """The request, admitted against the budgets of the key it came with (a 429 when they are spent): its prompt
+    estimated from its body, plus ``prompt_tokens`` the body does not carry (a stored conversation it continues).
+    Whatever fails inside the block before a backend takes the request over (routing, validation after admission)
+    gives the reservation back; once the request's observer holds it, the request's end settles it instead."""
+    body = await request.body()  # read already (the route parsed it): the bytes are cached
+    prompt = estimate_prompt_tokens(len(body)) + prompt_tokens
+    reservation = await limits.admit(request_label(request), max_tokens, prompt)
+    try:
+        yield reservation
+    except BaseException:
+        await limits.release(reservation)
+        raise
 
 
 def _limits_of(key: ApiKeyConfig, server: ServerConfig) -> tuple[int | None, int | None]:

@@ -6,7 +6,7 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from backends.engine.driver import DriverStats
 
 if TYPE_CHECKING:
-    from backends.interface import Backend
+    from backends.interface import Backend, Usage
     from gateway.state_store import SharedStateStore
 
 TTFT_BUCKETS = (
@@ -229,10 +229,32 @@ class _Series:
         return child
 
 
+class RequestCost(NamedTuple):
+    """What a request consumed, as its observer saw it end: what a key's token budget is charged from."""
+
+    status: int
+    usage: Usage | None
+    """The backend's own count, when it reported one (it comes last: a request cut short has none)."""
+    output_tokens: int
+    """Output tokens the gateway took from the backend for the client (and sent, when streaming)."""
+    output_started: bool
+
+
 class RequestObserver:
     """Times one request and records it once, whatever way it ends."""
 
-    __slots__ = ("_done", "_metrics", "_series", "backend", "first_token_at", "log", "model", "on_finish", "started")
+    __slots__ = (
+        "_done",
+        "_metrics",
+        "_series",
+        "backend",
+        "first_token_at",
+        "log",
+        "model",
+        "on_finish",
+        "output_tokens",
+        "started",
+    )
 
     def __init__(self, metrics: GatewayMetrics, model: str, backend: str, log: dict[str, object]) -> None:
         self._metrics = metrics
@@ -242,9 +264,10 @@ class RequestObserver:
         self._series = metrics.series(model, backend)
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
+        self.output_tokens = 0
         self._done = False
-        self.on_finish: Callable[[int], None] | None = None
-        """Called once with the request's total tokens (per-key token limits charge here)."""
+        self.on_finish: Callable[[RequestCost], None] | None = None
+        """Called once with what the request consumed (per-key token budgets are charged here)."""
         log["model"] = model
         log["backend"] = backend
         self._series.in_flight.inc()
@@ -264,14 +287,20 @@ class RequestObserver:
         if not self._done:
             self._series.stalls(reason).inc()
 
-    def first_token(self) -> None:
+    def output(self, tokens: int) -> None:
+        """A delta of ``tokens`` output tokens goes to the client (the first one times the first token)."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        self.output_tokens += tokens
 
-    def finish(self, status: int, prompt_tokens: int = 0, completion_tokens: int = 0, code: str | None = None) -> None:
+    def cost(self, status: int, usage: Usage | None) -> RequestCost:
+        return RequestCost(status, usage, self.output_tokens, self.first_token_at is not None)
+
+    def finish(self, status: int, usage: Usage | None = None, code: str | None = None) -> None:
         if self._done:
             return
         self._done = True
+        prompt_tokens, completion_tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
         series = self._series
         now = time.perf_counter()
         series.in_flight.dec()
@@ -279,7 +308,7 @@ class RequestObserver:
         e2e = now - self.started
         series.e2e.observe(e2e)
         if self.on_finish is not None:
-            self.on_finish(prompt_tokens + completion_tokens)
+            self.on_finish(self.cost(status, usage))
         self.log["status"] = status
         self.log["e2e_ms"] = round(e2e * 1000, 3)
         if code is not None or status >= 400:

@@ -93,7 +93,12 @@ class RequestContextMiddleware:
                 await _send_error(
                     scope,
                     send_with_id,
-                    APIError(503, "The gateway is shutting down.", type="server_error", code="draining"),
+                    APIError(
+                        503,
+                        f"The gateway is shutting down. (request id {request_id})",
+                        type="server_error",
+                        code="draining",
+                    ),
                     retry_after=1,
                 )
                 return

@@ -21,7 +21,7 @@ from backends.errors import BackendError, BackendTimeoutError, SlowClientError
 from backends.interface import Delta, Event, Finish, PromptEcho, Usage
 from backends.streams import interleave
 from gateway.bursts import BurstReader
-from gateway.errors import APIError, api_error_from_backend
+from gateway.errors import APIError, api_error_from_backend, public_error
 from gateway.metrics import RequestObserver
 from gateway.sse import DisconnectWatch, EventStreamResponse
 
@@ -30,9 +30,6 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 SLOW_CLIENT_STATUS = 408  # logged for a stream stopped because its client did not read
 MAX_BURST = 64
 """Frames written to a client in one send at most, when that many were ready at once."""
-INTERNAL_ERROR = APIError(
-    500, "The server had an error processing your request.", type="server_error", code="internal_error"
-)
 
 
 class Timeouts(NamedTuple):
@@ -128,14 +125,22 @@ async def _within(deadline: _Deadline | None, wait: Callable[[], Awaitable[Event
     return event
 
 
+Completion = Callable[[Usage | None], Awaitable[None]]
+"""Awaited with the usage once a response is complete, before its last event or its body goes out: the key's
+budget is settled and the Responses API stores the response here, so the client's next request sees both."""
+
+
 class WireFormat(Protocol):
     """How one API writes a request's events: chat, completions, the Responses API, Anthropic's Messages."""
 
-    done_frame: bytes | None  # the stream's last frame (chat and completions: [DONE])
+    done_frame: bytes | None  # what follows an error frame (chat and completions: [DONE])
     ping_frame: bytes  # what a stream silent for ``ping_seconds`` gets, so proxies keep it open
 
     def frame(self, event: Delta | Finish | PromptEcho) -> bytes | None: ...
-    def usage_frame(self, usage: Usage) -> bytes: ...
+    def end_frames(self, usage: Usage | None, include_usage: bool) -> bytes:
+        """The last frames of a stream that ended well (the usage when asked for, and what ends the stream)."""
+        ...
+
     def error_frame(self, error: APIError) -> bytes: ...
     def add(self, event: Delta | Finish | PromptEcho) -> None: ...
     def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]: ...
@@ -168,16 +173,15 @@ class _Outcome:
 def _record(observer: RequestObserver, outcome: _Outcome, stalled: bool) -> None:
     """Counts a stream once it is over, whichever way it ended."""
     usage = outcome.usage
-    tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
     if stalled:
         observer.stalled("send_timeout")
-        observer.finish(SLOW_CLIENT_STATUS, *tokens, "stream_stalled")
+        observer.finish(SLOW_CLIENT_STATUS, usage, "stream_stalled")
     elif outcome.status is None:  # the client went away (or the server is stopping and cancelled the stream)
-        observer.finish(CLIENT_CLOSED_REQUEST, *tokens, "client_disconnected")
+        observer.finish(CLIENT_CLOSED_REQUEST, usage, "client_disconnected")
     else:
         if outcome.code == SlowClientError.code:
             observer.stalled("buffer_full")
-        observer.finish(outcome.status, *tokens, outcome.code)
+        observer.finish(outcome.status, usage, outcome.code)
 
 
 async def stream_response(
@@ -190,6 +194,7 @@ async def stream_response(
     headers: dict[str, str],
     timeouts: Timeouts | None = None,
     ping_seconds: float | None = 15.0,
+    on_complete: Completion | None = None,
 ) -> Response:
     """SSE response. Errors before the first token are plain HTTP errors; any later failure is an error frame
     followed by ``[DONE]``. A client that leaves cancels the request's task wherever it waits (``DisconnectWatch``),
@@ -209,11 +214,11 @@ async def stream_response(
         arrived together (one network read, a step's outputs queued while the loop was busy) cost one write."""
 
         def render(event: Event) -> bytes | None:
-            if isinstance(event, Usage):
+            if isinstance(event, Usage):  # the last event: its frame goes out with the stream's end
                 outcome.usage = event
-                return fmt.usage_frame(event) if include_usage else None
+                return None
             if isinstance(event, Delta):
-                observer.first_token()
+                observer.output(event.tokens)
             return fmt.frame(event)
 
         reader = BurstReader(events)
@@ -246,19 +251,23 @@ async def stream_response(
         except BackendError as exc:
             error = api_error_from_backend(exc)
             outcome.status, outcome.code = error.status, error.code or error.type
-            burst.append(fmt.error_frame(error))
-        except Exception:
+            burst.append(fmt.error_frame(public_error(error, request)))
+        except Exception as exc:
             logger.exception("stream of request %s failed after its first frame", request.state.request_id)
             outcome.status, outcome.code = 500, "internal_error"
-            burst.append(fmt.error_frame(INTERNAL_ERROR))
+            error = APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error", code="internal_error")
+            burst.append(fmt.error_frame(public_error(error, request)))
         finally:
             # A cancelled stream still aborts its backend work: the cancellation was spent at the pending await.
             await reader.aclose()
-        if outcome.status is not None:
-            if fmt.done_frame is not None:
-                burst.append(fmt.done_frame)
-            if burst:
-                yield b"".join(burst)
+        if outcome.status == 200:
+            burst.append(fmt.end_frames(outcome.usage, include_usage))
+            if on_complete is not None:
+                await on_complete(outcome.usage)
+        elif outcome.status is not None and fmt.done_frame is not None:
+            burst.append(fmt.done_frame)
+        if outcome.status is not None and burst:
+            yield b"".join(burst)
 
     return EventStreamResponse(
         frames(),
@@ -280,6 +289,7 @@ async def whole_response(
     want_logprobs: bool,
     headers: dict[str, str],
     timeouts: Timeouts | None = None,
+    on_complete: Completion | None = None,
 ) -> Response:
     deadline = _Deadline(timeouts) if timeouts else None
 
@@ -292,7 +302,7 @@ async def whole_response(
                 usage = event
             else:
                 if isinstance(event, Delta):
-                    observer.first_token()
+                    observer.output(event.tokens)
                 fmt.add(event)
         return usage
 
@@ -311,8 +321,10 @@ async def whole_response(
         raise
     watch.close()
     await events.aclose()
-    observer.finish(200, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
     body = orjson.dumps(fmt.response(usage, want_logprobs))
+    if on_complete is not None:
+        await on_complete(usage)
+    observer.finish(200, usage)
     return Response(body, media_type="application/json", headers=headers)
 
 

@@ -349,66 +349,6 @@ def test_termination_grace_period_outlasts_the_gateway_drain() -> None:
     assert pod["terminationGracePeriodSeconds"] > pre_stop_seconds + drain
 
 
-# --- Scale-out overlay: replicas sharing budgets through Redis, autoscaled on their own metric --------------------
-
-SCALE_OUT_DIR = KUBERNETES_DIR / "scale-out"
-
-
-def _overlay() -> dict[str, Any]:
-    return yaml.safe_load((SCALE_OUT_DIR / "kustomization.yaml").read_text())
-
-
-def _overlay_resources() -> list[Path]:
-    return [SCALE_OUT_DIR / name for name in _overlay()["resources"] if not name.startswith("..")]
-
-
-@pytest.mark.usefixtures("no_network")
-@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_scale_out_manifests_validate_strictly_offline(version: str) -> None:
-    for path in _overlay_resources():
-        for item in load_resources(path):
-            kubernetes_validate.validate(item, version, strict=True)
-
-
-def test_scale_out_overlay_builds_on_the_base_and_lists_every_file_it_ships() -> None:
-    overlay = _overlay()
-    assert "../base" in overlay["resources"], "the overlay extends deploy/kubernetes/base"
-    patches = [entry["path"] for entry in overlay["patches"]]
-    shipped = sorted(p.name for p in SCALE_OUT_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
-    assert sorted([p.name for p in _overlay_resources()] + patches) == shipped
-
-
-def test_scale_out_patch_points_every_replica_at_the_redis_service_through_a_real_config_key() -> None:
-    (patch_file,) = (entry["path"] for entry in _overlay()["patches"])
-    patch = yaml.safe_load((SCALE_OUT_DIR / patch_file).read_text())
-    (container,) = patch["spec"]["template"]["spec"]["containers"]
-    assert container["name"] == gateway_container()["name"], "a strategic merge patch matches containers by name"
-    env = {e["name"]: e["value"] for e in container["env"]}
-    store = env["GATEWAY_SERVER__STATE_STORE"]
-    redis_service = next(r for r in load_resources(SCALE_OUT_DIR / "redis.yaml") if r["kind"] == "Service")
-    (port,) = redis_service["spec"]["ports"]
-    assert store.startswith(f"redis://{redis_service['metadata']['name']}:{port['port']}/")
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in env.items():
-            mp.setenv(name, value)
-        assert load_config(CONFIG_DIR / "reference.yaml").server.state_store == store
-
-
-def test_autoscaler_targets_the_gateway_on_a_metric_the_gateway_exports_and_the_adapter_serves() -> None:
-    (hpa,) = load_resources(SCALE_OUT_DIR / "hpa.yaml")
-    deployment = resource("Deployment")
-    assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
-    (metric,) = hpa["spec"]["metrics"]
-    name = metric["pods"]["metric"]["name"]
-    (rules_map,) = load_resources(SCALE_OUT_DIR / "prometheus-adapter-rules.yaml")
-    (rule,) = yaml.safe_load(rules_map["data"]["rules.yaml"])["rules"]
-    assert rule["name"]["as"] == name and rule["seriesQuery"].startswith(name + "{")
-    from gateway.metrics import GatewayMetrics
-
-    exported = {family.name for family in GatewayMetrics().registry.collect()}
-    assert name in exported, f"the gateway exports no {name}"
-
-
 # --- One DeepInfer node: one pod owns a node's GPUs ----------------------------------------------------------------
 
 DEEPINFER_NODE_DIR = KUBERNETES_DIR / "deepinfer-node"

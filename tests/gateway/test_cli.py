@@ -91,13 +91,19 @@ SECRETS = (
     "sk-admin-from-env-4",
     "sk-url-password-5",
     "Bearer sk-otlp-token-6",
+    "sk-budgets-password-6",
+    "sk-responses-password-7",
 )
+STORE_ENV = {  # as deploy/kubernetes/scale-out gives them
+    "GATEWAY_SERVER__STATE_STORE": "redis://gateway:sk-budgets-password-6@budgets:6379/0",
+    "GATEWAY_SERVER__RESPONSES_STORE": "redis://gateway:sk-responses-password-7@responses:6379/0",
+}
 
 
 def test_config_check_redacts_every_key_unless_asked_to_show_them(tmp_path: Path) -> None:
     config = tmp_path / "secrets.yaml"
     config.write_text(SECRET_CONFIG)
-    env = {**os.environ, "GATEWAY_SERVER__ADMIN_API_KEY": "sk-admin-from-env-4"}
+    env = {**os.environ, "GATEWAY_SERVER__ADMIN_API_KEY": "sk-admin-from-env-4", **STORE_ENV}
     result = subprocess.run([*CLI, "config", "check", str(config)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     for secret in SECRETS:

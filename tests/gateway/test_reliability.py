@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import structlog
 from tokenizers import Tokenizer
 
 from backends.config import ReferenceBackendConfig
@@ -22,6 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.limits import AdmissionGate
 
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
+from ..processes import free_port
 
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "ignore_eos": True}
 
@@ -100,9 +102,12 @@ def test_no_first_token_within_the_idle_timeout_gets_504() -> None:
     config.server.idle_timeout = 0.3
     running = start_gateway(config)
     try:
-        response = httpx.post(f"{running.base_url}/v1/chat/completions", json=LONG, timeout=30)
+        with structlog.testing.capture_logs() as logs:
+            response = httpx.post(f"{running.base_url}/v1/chat/completions", json=LONG, timeout=30)
         assert response.status_code == 504
-        assert "No output" in response.json()["error"]["message"]
+        assert response.json()["error"]["code"] == "timeout"
+        (line,) = [line for line in logs if line.get("event") == "request" and line.get("path") != "/ready"]
+        assert "No output" in line["error_detail"], "the log says which deadline"
         assert wait_until(lambda: running.engine_unfinished() == 0 and running.driver_in_flight() == 0)
     finally:
         stop_gateway(running)
@@ -154,7 +159,9 @@ def test_engine_crash_fails_its_requests_cleanly_and_leaves_other_backends_servi
             CrashingEngine.armed.set()
             rest = [line[6:] for line in lines if line.startswith("data: ")]
         assert rest[-1] == "[DONE]"
-        assert orjson.loads(rest[-2])["error"]["type"] == "server_error"
+        error = orjson.loads(rest[-2])["error"]
+        assert error["type"] == "server_error"
+        assert "injected" not in error["message"] and stream.headers["x-request-id"] in error["message"]
         ready = httpx.get(f"{running.base_url}/ready")
         assert ready.status_code == 503
         assert "injected engine fault" in ready.json()["backends"]["fragile"]["reason"]
@@ -164,6 +171,34 @@ def test_engine_crash_fails_its_requests_cleanly_and_leaves_other_backends_servi
         assert served.status_code == 200, "the other backend and the process stay up"
     finally:
         CrashingEngine.armed.clear()
+        stop_gateway(running)
+
+
+def test_server_errors_show_a_generic_message_and_the_request_id_and_log_the_detail() -> None:
+    """A dead upstream's URL and connection error are the operator's: the client gets a generic 503."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = GatewayConfig(
+        backends=[{"name": "dead", "kind": "lmdeploy", "urls": [dead], "health_interval": 0.2}],
+        models=[{"name": "gone", "backends": ["dead"]}],
+    )
+    running = start_gateway(config, wait_for="/health")
+    try:
+        body = {"model": "gone", "messages": [{"role": "user", "content": "hi"}]}
+        with structlog.testing.capture_logs() as logs:
+            refused = httpx.post(f"{running.base_url}/v1/chat/completions", json=body, timeout=30)
+        assert refused.status_code == 503
+        request_id = refused.headers["x-request-id"]
+        error = refused.json()["error"]
+        assert error == {
+            "message": f"The model is not available right now; retry later. (request id {request_id})",
+            "type": "server_error",
+            "param": None,
+            "code": error["code"],
+        }
+        assert "127.0.0.1" not in refused.text and "dead" not in refused.text
+        (line,) = [line for line in logs if line.get("event") == "request" and line["request_id"] == request_id]
+        assert dead in line["error_detail"] or "dead" in line["error_detail"], "the detail goes to the log"
+    finally:
         stop_gateway(running)
 
 

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
+import structlog
 from pydantic import BaseModel, Field
 
+from backends.config import ReferenceBackendConfig
+from backends.interface import Backend, Event, GenerateRequest, Usage
+from backends.registry import build_backend
 from gateway.config import GatewayConfig
 
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
@@ -412,7 +418,10 @@ def test_a_stream_past_its_deadline_ends_with_response_failed_and_is_not_stored(
     body = {"model": MODEL, "input": "go on", "max_output_tokens": 3000, "ignore_eos": True, "stream": True}
     try:
         with httpx.Client(base_url=running.base_url, timeout=30) as client:
-            with client.stream("POST", "/v1/responses", json=body) as response:
+            with (
+                structlog.testing.capture_logs() as logs,
+                client.stream("POST", "/v1/responses", json=body) as response,
+            ):
                 assert response.status_code == 200
                 events = sse_events(list(response.iter_lines()))
             for event in events:
@@ -422,7 +431,10 @@ def test_a_stream_past_its_deadline_ends_with_response_failed_and_is_not_stored(
             assert failed["type"] == "response.failed", "the stream ends with response.failed, not [DONE]"
             assert failed["response"]["status"] == "failed"
             assert failed["response"]["error"]["code"] == "server_error"
-            assert "deadline" in failed["response"]["error"]["message"]
+            request_id = response.headers["x-request-id"]
+            assert failed["response"]["error"]["message"] == f"The request timed out. (request id {request_id})"
+            (line,) = [line for line in logs if line.get("event") == "request" and line["request_id"] == request_id]
+            assert "deadline" in line["error_detail"], "the log says which deadline"
             streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
             assert streamed, "tokens flowed before the deadline"
             unfinished = failed["response"]["output"][0]
@@ -457,3 +469,72 @@ def test_thinking_then_a_forced_call_then_its_output(responses_client: openai.Op
     )
     assert answered.output[0].type == "reasoning" and answered.usage is not None
     assert answered.usage.input_tokens > called.usage.input_tokens + called.usage.output_tokens  # type: ignore[union-attr]
+
+
+class UsagelessBackend:
+    """Test double: the real reference backend behind an upstream that reports no usage, as an OpenAI-compatible
+    node that ignores ``stream_options.include_usage`` does (or LMDeploy's stream cut by the gateway at a stop
+    string, whose prompt tokens it cannot count with tools): every event passes but ``Usage``."""
+
+    def __init__(self, inner: Backend) -> None:
+        self._inner = inner
+        self.name = inner.name
+        self.kind = inner.kind
+
+    async def start(self) -> None:
+        await self._inner.start()
+
+    async def stop(self) -> None:
+        await self._inner.stop()
+
+    def readiness(self) -> tuple[bool, str]:
+        return self._inner.readiness()
+
+    def max_model_len(self) -> int | None:
+        return self._inner.max_model_len()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        async with aclosing(self._inner.generate(request)) as events:
+            async for event in events:
+                if not isinstance(event, Usage):
+                    yield event
+
+
+def test_a_response_without_usage_still_ends_with_its_terminal_event_and_is_stored() -> None:
+    inner = build_backend(ReferenceBackendConfig(name="reference"))
+    config = GatewayConfig(
+        server={"responses_store": "memory"},
+        backends=[{"name": "reference", "kind": "reference"}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    running = start_gateway(config, backends={"reference": UsagelessBackend(inner)})
+    client = openai.OpenAI(
+        base_url=f"{running.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+        http_client=httpx.Client(transport=ConformingTransport()),
+    )
+    try:
+        forced = {"type": "function", "name": "get_weather"}
+        for tools in ({}, {"tools": [WEATHER_TOOL], "tool_choice": forced}):
+            with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=400, **tools) as events:  # type: ignore[arg-type]
+                kinds = [event.type for event in events]
+                final = events.get_final_response()  # raises unless the stream ended with response.completed
+            assert kinds[-1] == "response.completed" and final.status == "completed"
+            assert final.usage is None, "no usage reported, none made up"
+            stored = client.responses.retrieve(final.id)
+            assert stored.status == final.status and stored.output_text == final.output_text
+            assert [item.type for item in stored.output][-1] == ("function_call" if tools else "message")
+        with httpx.stream(
+            "POST",
+            f"{running.base_url}/v1/responses",
+            json={"model": MODEL, "input": QUESTION, "max_output_tokens": 4, "ignore_eos": True, "stream": True},
+        ) as response:
+            last = sse_events(list(response.iter_lines()))[-1]
+        assert last["type"] == "response.incomplete" and last["response"]["usage"] is None
+        assert client.responses.retrieve(last["response"]["id"]).status == "incomplete"
+        whole = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=8)
+        assert whole.usage is None and client.responses.retrieve(whole.id).id == whole.id
+    finally:
+        stop_gateway(running)

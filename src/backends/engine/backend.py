@@ -371,6 +371,7 @@ class _Choice:
         "_logprobs",
         "_parser",
         "_reasoning_end",
+        "_reported",
         "_stop",
         "_table",
         "end_logprobs",
@@ -397,6 +398,7 @@ class _Choice:
         self._parser = parser
         self._reasoning_end = reasoning_end
         self.tokens = 0
+        self._reported = 0  # tokens the deltas so far accounted for
         self.reasoning_tokens = 0
         self.end_logprobs: list[TokenLogprob] | None = None  # the EOS that ended the choice, counted as output
 
@@ -434,7 +436,13 @@ class _Choice:
             return self._parse(text, real, logprobs, finish)
         if not text and logprobs is None:
             return None, finish
-        return Delta(self.index, text, logprobs), finish
+        return Delta(self.index, text, logprobs, tokens=self._report()), finish
+
+    def _report(self) -> int:
+        """The tokens generated since the previous delta, which the next delta accounts for."""
+        tokens = self.tokens - self._reported
+        self._reported = self.tokens
+        return tokens
 
     def _parse(
         self, text: str, real: Sequence[EngineOutput], logprobs: list[TokenLogprob] | None, finish: str | None
@@ -455,7 +463,7 @@ class _Choice:
             self.reasoning_tokens += self._count_reasoning(real, still=parser.in_reasoning and finish is None)
         if not (reasoning or content or calls) and logprobs is None:
             return None, finish
-        return Delta(self.index, content, logprobs, reasoning, calls or None), finish
+        return Delta(self.index, content, logprobs, reasoning, calls or None, self._report()), finish
 
     def _count_reasoning(self, outputs: Sequence[EngineOutput], *, still: bool) -> int:
         """Tokens of this step spent reasoning: all of them, or those up to and including the closing tag."""

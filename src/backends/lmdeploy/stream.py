@@ -205,6 +205,7 @@ class ChoiceStream:
         "index",
         "node",
         "reasoning_tokens",
+        "reported",
         "stop",
         "stopped_early",
         "tokens",
@@ -220,6 +221,7 @@ class ChoiceStream:
         self.byte_level = byte_level
         self.node = node
         self.tokens = 0  # completion tokens seen (token ids streamed)
+        self.reported = 0  # of those, the tokens the deltas so far accounted for
         self.usage: tuple[int, int] | None = None  # (prompt, completion) as LMDeploy reported them
         self.reasoning_tokens: int | None = None  # reported when the node runs a reasoning parser
         self.finish_reason: str | None = None
@@ -258,9 +260,6 @@ class ChoiceStream:
         if not choices:
             return None
         choice = choices[0]
-        ids = choice.get("output_ids")
-        if ids:
-            self.tokens += len(ids)
         delta = choice.get("delta") or {}
         text = delta.get("content") or ""
         reasoning = delta.get("reasoning_content") or ""
@@ -278,6 +277,13 @@ class ChoiceStream:
             ]
         lp = choice.get("logprobs")
         logprobs = chat_logprobs(lp["content"], self.want_top, self.byte_level) if lp and lp.get("content") else None
+        ids = choice.get("output_ids")
+        if ids:
+            self.tokens += len(ids)
+        elif logprobs:
+            self.tokens += len(logprobs)
+        elif text or reasoning or tool_calls:  # a node without return_token_ids: at least a token a chunk
+            self.tokens += 1
         return _Parts(_text(text), _text(reasoning), tool_calls, logprobs, _reason(choice.get("finish_reason")))
 
     def _generate(self, chunk: dict[str, Any]) -> _Parts:
@@ -311,7 +317,8 @@ class ChoiceStream:
         if reason is not None and reason not in OPENAI_FINISH:
             raise finish_failure(reason, self.node)
         if text or reasoning or tool_calls or logprobs:
-            events.append(Delta(self.index, text, logprobs, reasoning, tool_calls))
+            events.append(Delta(self.index, text, logprobs, reasoning, tool_calls, self.tokens - self.reported))
+            self.reported = self.tokens
         if reason is not None:
             self.finished = True
             self.finish_reason = reason
@@ -335,6 +342,12 @@ def coalesce(events: list[Delta | Finish], more: list[Delta | Finish]) -> list[D
             and not (last.text and first.reasoning)
         ):
             logprobs = None if last.logprobs is None else [*last.logprobs, *first.logprobs]  # type: ignore[misc]
-            merged = Delta(last.index, last.text + first.text, logprobs, last.reasoning + first.reasoning)
+            merged = Delta(
+                last.index,
+                last.text + first.text,
+                logprobs,
+                last.reasoning + first.reasoning,
+                tokens=last.tokens + first.tokens,
+            )
             return [*events[:-1], merged, *more[1:]]
     return events + more

@@ -62,7 +62,6 @@ class MessagesFormat:
         self._signer = signer
         self._omit_thinking = omit_thinking  # thinking.display "omitted": blocks carry only their signature
         self._started = False
-        self._ended = False  # message_stop or an error event was sent
         self._blocks: list[dict[str, Any]] = []  # the message's content, the open block last
         self._open: str | None = None  # type of the block taking deltas
         self._pieces: list[str] = []  # the open block's text (or a tool call's arguments) so far
@@ -199,7 +198,6 @@ class MessagesFormat:
         }
 
     def _end_frames(self, usage: Usage | None) -> bytes:
-        self._ended = True
         stop_reason, stop_sequence = self._stop(usage)
         delta = {
             "type": "message_delta",
@@ -218,25 +216,18 @@ class MessagesFormat:
     def add(self, event: Delta | Finish | PromptEcho) -> None:
         self._apply(event, None)
 
-    def usage_frame(self, usage: Usage) -> bytes:
+    def end_frames(self, usage: Usage | None, include_usage: bool) -> bytes:
+        """The end of a stream that ended well: its open block closes, then ``message_delta`` (with the usage, zero
+        when the backend reported none) and ``message_stop``. A Messages stream always carries its usage."""
         frames: list[bytes] = []
         self._start(frames)
         self._close(frames)
         return b"".join(frames) + self._end_frames(usage)
 
-    @property
-    def done_frame(self) -> bytes | None:
-        """The end of a stream whose backend reported no usage (the message still stops), else nothing more."""
-        if self._ended:
-            return None
-        frames: list[bytes] = []
-        self._start(frames)
-        self._close(frames)
-        return b"".join(frames) + self._end_frames(None)
+    done_frame: bytes | None = None  # after an error event nothing follows: Anthropic's error event ends the stream
 
     def error_frame(self, error: APIError) -> bytes:
         """A failure after the stream started: Anthropic's ``error`` event, which ends the stream."""
-        self._ended = True
         return _event(b"error", error_object(error.status, error.message))
 
     def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]:

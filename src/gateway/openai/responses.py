@@ -65,10 +65,19 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
 
 
 class SSEFormat:
-    """How chat and completion streams end: a failure is one ``{"error": ...}`` frame, then ``[DONE]``."""
+    """How chat and completion streams end: the usage chunk (when asked for) and ``[DONE]``; a failure is one
+    ``{"error": ...}`` frame, then ``[DONE]``."""
 
     done_frame: bytes | None = DONE_FRAME
     ping_frame = PING_FRAME
+
+    def usage_frame(self, usage: Usage) -> bytes:
+        raise NotImplementedError
+
+    def end_frames(self, usage: Usage | None, include_usage: bool) -> bytes:
+        if include_usage and usage is not None:
+            return self.usage_frame(usage) + DONE_FRAME
+        return DONE_FRAME
 
     def error_frame(self, error: APIError) -> bytes:
         return sse_frame(error_payload(error.message, error.type, error.param, error.code))

@@ -4,15 +4,15 @@ One ``ResponsesFormat`` per request turns the events of its one choice into outp
 item for DeepSeek's thinking, a ``message`` with ``output_text``, one ``function_call`` per tool call), either
 as a whole response or as OpenAI's event sequence: ``response.created``, ``response.in_progress``, then per item
 ``output_item.added``, ``content_part.added``, deltas, ``*.done`` events, ``output_item.done``, and last
-``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``), each with its
-``sequence_number``. Plain dicts and orjson, as on the chat path.
+``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``; ``response.failed`` when it
+fails), each with its ``sequence_number``. A stream always ends with one of the three, with its usage or, when the
+backend reported none, ``usage: null``. Plain dicts and orjson, as on the chat path.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -86,24 +86,18 @@ def response_envelope(body: CreateResponseRequest, model: str, response_id: str,
 class ResponsesFormat:
     """Output items and stream events of one response (``n`` is always 1).
 
-    Implements the format protocol of ``gateway.streaming``. ``on_complete`` receives the final response
-    body once, when the usage arrives (the last event of a generation), e.g. to store it.
+    Implements the format protocol of ``gateway.streaming``. ``final`` is the finished response body, once
+    ``end_frames`` or ``response`` built it (what the route stores).
     """
 
-    done_frame: bytes | None = None  # a Responses stream ends with response.completed, not [DONE]
+    done_frame: bytes | None = None  # a Responses stream ends with its terminal event, not [DONE]
     ping_frame = PING_FRAME
 
-    def __init__(
-        self,
-        envelope: dict[str, Any],
-        *,
-        want_logprobs: bool = False,
-        on_complete: Callable[[dict[str, Any]], None] | None = None,
-    ) -> None:
+    def __init__(self, envelope: dict[str, Any], *, want_logprobs: bool = False) -> None:
         self.fingerprint = ""  # set by the router's fallback hook; the Responses API does not report it
         self._envelope = envelope
         self._want_logprobs = want_logprobs
-        self._on_complete = on_complete
+        self.final: dict[str, Any] | None = None
         self._sequence = 0
         self._started = False
         self._output: list[dict[str, Any]] = []  # items in output order, open ones included
@@ -257,7 +251,10 @@ class ResponsesFormat:
     def add(self, event: Delta | Finish | PromptEcho) -> None:
         self._apply(event, None)
 
-    def usage_frame(self, usage: Usage) -> bytes:
+    def end_frames(self, usage: Usage | None, include_usage: bool) -> bytes:
+        """The terminal event of a stream that ended well: ``response.completed`` or ``response.incomplete``, with
+        the usage if the backend reported it (``usage: null`` if not: a stream cut at a stop string by the gateway
+        may end without one). The Responses API always reports usage, whatever ``include_usage`` says."""
         body = self.response(usage, self._want_logprobs)
         frames: list[bytes] = []
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
@@ -265,7 +262,7 @@ class ResponsesFormat:
         return b"".join(frames)
 
     def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]:
-        """The final response body (handed to ``on_complete`` too)."""
+        """The final response body (kept as ``final``)."""
         self._close_open(None)
         self._close_call(None)
         body = dict(self._envelope)
@@ -275,8 +272,7 @@ class ResponsesFormat:
         body["completed_at"] = None if incomplete else int(time.time())
         body["output"] = self._output
         body["usage"] = usage_body(usage) if usage is not None else None
-        if self._on_complete is not None:
-            self._on_complete(body)
+        self.final = body
         return body
 
     def _output_so_far(self) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -10,17 +11,18 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from backends.interface import Backend, Event, GenerateRequest
+from backends.interface import Backend, Event, GenerateRequest, Usage
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
-from gateway.limits import Admission
+from gateway.limits import KeyLimits, Reservation, admitted
 from gateway.metrics import RequestObserver
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.responses import ChatFormat, CompletionFormat
 from gateway.routing.stream import RoutedStream
 from gateway.state import GatewayState, gateway_state
-from gateway.streaming import Timeouts, merge_prompts, stream_response, whole_response
+from gateway.streaming import Completion, Timeouts, merge_prompts, stream_response, whole_response
 
+logger = logging.getLogger(__name__)
 router = APIRouter(tags=["generation"], route_class=OffloadedJSONRoute)  # 7 MiB bodies are parsed off the loop
 
 MAX_PROMPTS = 64
@@ -31,11 +33,9 @@ def _check_n(n: int, state: GatewayState) -> None:
         raise APIError(400, f"n must be at most {state.config.server.max_n}.", param="n")
 
 
-async def _admit_client(request: Request, state: GatewayState, max_tokens: int | None) -> Admission:
-    """Takes the request from its key's budgets (rate-limit headers included); raises a 429 when they are spent."""
-    label = getattr(request.state, "api_key", None) or "anonymous"
+def _limits(state: GatewayState) -> KeyLimits:
     assert state.limits is not None
-    return await state.limits.admit(label, max_tokens)
+    return state.limits
 
 
 def _timeouts(state: GatewayState) -> Timeouts:
@@ -68,19 +68,32 @@ async def _respond(
     make_format: Callable[[str], ChatFormat | CompletionFormat],
     *,
     model: str,
-    admission: Admission,
+    reservation: Reservation,
     stream: bool,
     include_usage: bool,
     want_logprobs: bool,
+    on_complete: Completion | None = None,
 ) -> Response:
     """Observes, labels and sends the routed event stream as SSE or as one response."""
     backend = events.backend
     fmt = make_format(_fingerprint(backend))
+    limits = _limits(state)
     observer = state.metrics.observer(model, backend.name, request.state.log)
-    observer.on_finish = functools.partial(state.limits.settle, admission)  # type: ignore[union-attr]
-    headers = {"X-Backend": backend.name, **admission.headers}
+    observer.on_finish = functools.partial(limits.settle_soon, reservation, log=observer.log)
+    headers = {"X-Backend": backend.name, **reservation.headers}
     events.served_by = _served_by(fmt, observer, headers)
     timeouts = _timeouts(state)
+
+    async def completed(usage: Usage | None) -> None:
+        """Before the last byte: the response is stored (Responses API) and the key's budget settled. A failure
+        here is a bug (store failures are handled below), logged; the client still gets its whole response."""
+        try:
+            if on_complete is not None:
+                await on_complete(usage)
+            await limits.settle(reservation, observer.cost(200, usage), observer.log)
+        except Exception:
+            logger.exception("finishing request %s failed", request.state.request_id)
+
     if stream:
         return await stream_response(
             request,
@@ -91,9 +104,17 @@ async def _respond(
             headers=headers,
             timeouts=timeouts,
             ping_seconds=state.config.server.ping_seconds,
+            on_complete=completed,
         )
     return await whole_response(
-        request, events, fmt, observer, want_logprobs=want_logprobs, headers=headers, timeouts=timeouts
+        request,
+        events,
+        fmt,
+        observer,
+        want_logprobs=want_logprobs,
+        headers=headers,
+        timeouts=timeouts,
+        on_complete=completed,
     )
 
 
@@ -111,38 +132,38 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise APIError(400, problem, param="tool_choice")
     model = state.router.served_name(body.model)
     limit = body.output_limit()
-    admission = await _admit_client(request, state, limit * body.n if limit is not None else None)
-    generate = GenerateRequest(
-        request_id=request.state.request_id,
-        model=model,
-        messages=[m.model_dump(exclude_none=True) for m in body.messages],
-        sampling=body.sampling_options(
-            max_tokens=body.output_limit(), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0
-        ),
-        n=body.n,
-        max_buffered_tokens=server.stream_buffer_tokens,
-        user=body.user,
-        tools=body.tools,
-        tool_choice=body.tool_choice,
-        parallel_tool_calls=body.parallel_tool_calls,
-        response_format=body.response_format,
-        reasoning_effort=body.reasoning_effort,
-        chat_template_kwargs=body.chat_template_kwargs,
-    )
-    events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
-    return await _respond(
-        request,
-        state,
-        events,
-        lambda fingerprint: ChatFormat(
-            f"chatcmpl-{os.urandom(16).hex()}", int(time.time()), model, fingerprint, body.n
-        ),
-        model=model,
-        admission=admission,
-        stream=body.stream,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        want_logprobs=body.logprobs,
-    )
+    async with admitted(request, _limits(state), limit * body.n if limit is not None else None) as reservation:
+        generate = GenerateRequest(
+            request_id=request.state.request_id,
+            model=model,
+            messages=[m.model_dump(exclude_none=True) for m in body.messages],
+            sampling=body.sampling_options(
+                max_tokens=body.output_limit(), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0
+            ),
+            n=body.n,
+            max_buffered_tokens=server.stream_buffer_tokens,
+            user=body.user,
+            tools=body.tools,
+            tool_choice=body.tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+            response_format=body.response_format,
+            reasoning_effort=body.reasoning_effort,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
+        return await _respond(
+            request,
+            state,
+            events,
+            lambda fingerprint: ChatFormat(
+                f"chatcmpl-{os.urandom(16).hex()}", int(time.time()), model, fingerprint, body.n
+            ),
+            model=model,
+            reservation=reservation,
+            stream=body.stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            want_logprobs=body.logprobs,
+        )
 
 
 @router.post("/v1/completions", response_model=None)
@@ -154,41 +175,41 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise APIError(400, f"at most {MAX_PROMPTS} prompts are allowed in one request.", param="prompt")
     model = state.router.served_name(body.model)
     reserve = body.max_tokens * len(prompts) * body.n if body.max_tokens is not None else None
-    admission = await _admit_client(request, state, reserve)
-    sampling = body.sampling_options(
-        max_tokens=body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0
-    )
-    requests = [
-        GenerateRequest(
-            request_id=request.state.request_id,
-            model=model,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=prompt if isinstance(prompt, list) else None,
-            sampling=sampling,
-            n=body.n,
-            echo=body.echo,
-            max_buffered_tokens=state.config.server.stream_buffer_tokens,
-            user=body.user,
+    async with admitted(request, _limits(state), reserve) as reservation:
+        sampling = body.sampling_options(
+            max_tokens=body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0
         )
-        for prompt in prompts
-    ]
+        requests = [
+            GenerateRequest(
+                request_id=request.state.request_id,
+                model=model,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=prompt if isinstance(prompt, list) else None,
+                sampling=sampling,
+                n=body.n,
+                echo=body.echo,
+                max_buffered_tokens=state.config.server.stream_buffer_tokens,
+                user=body.user,
+            )
+            for prompt in prompts
+        ]
 
-    def open_events(backend: Backend) -> AsyncIterator[Event]:
-        streams = [backend.generate(r) for r in requests]
-        return streams[0] if len(streams) == 1 else merge_prompts(streams, body.n)
+        def open_events(backend: Backend) -> AsyncIterator[Event]:
+            streams = [backend.generate(r) for r in requests]
+            return streams[0] if len(streams) == 1 else merge_prompts(streams, body.n)
 
-    events = state.router.route(model, requests[0], request.headers, open_events)
-    choices = len(prompts) * body.n
-    return await _respond(
-        request,
-        state,
-        events,
-        lambda fingerprint: CompletionFormat(
-            f"cmpl-{os.urandom(16).hex()}", int(time.time()), model, fingerprint, choices
-        ),
-        model=model,
-        admission=admission,
-        stream=body.stream,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        want_logprobs=body.logprobs is not None,
-    )
+        events = state.router.route(model, requests[0], request.headers, open_events)
+        choices = len(prompts) * body.n
+        return await _respond(
+            request,
+            state,
+            events,
+            lambda fingerprint: CompletionFormat(
+                f"cmpl-{os.urandom(16).hex()}", int(time.time()), model, fingerprint, choices
+            ),
+            model=model,
+            reservation=reservation,
+            stream=body.stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            want_logprobs=body.logprobs is not None,
+        )

@@ -23,7 +23,8 @@ from gateway.anthropic.signatures import ThinkingSigner
 from gateway.anthropic.translate import generate_request, messages_terms
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
-from gateway.routes.generate import _admit_client, _respond
+from gateway.limits import admitted
+from gateway.routes.generate import _limits, _respond
 from gateway.routes.tokenize import _counted
 from gateway.state import GatewayState, gateway_state
 
@@ -71,7 +72,6 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         signer=_signer(state),
         max_buffered_tokens=state.config.server.stream_buffer_tokens,
     )
-    admission = await _admit_client(request, state, body.max_tokens)
     fmt = MessagesFormat(
         new_id("msg"),
         model,
@@ -80,18 +80,19 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         omit_thinking=body.reasoning_display_omitted(),
     )
     try:
-        events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
-        return await _respond(
-            request,
-            state,
-            events,
-            lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
-            model=model,
-            admission=admission,
-            stream=body.stream,
-            include_usage=True,  # the usage ends a Messages stream: it carries message_delta
-            want_logprobs=False,
-        )
+        async with admitted(request, _limits(state), body.max_tokens) as reservation:
+            events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
+            return await _respond(
+                request,
+                state,
+                events,
+                lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
+                model=model,
+                reservation=reservation,
+                stream=body.stream,
+                include_usage=True,  # the usage ends a Messages stream: it carries message_delta
+                want_logprobs=False,
+            )
     except InvalidRequestError as exc:
         raise _in_messages_terms(exc) from None
 

@@ -11,6 +11,17 @@ import openai
 import orjson
 import pytest
 
+from gateway.config import ApiKeyConfig
+
+from ...budget_client import (
+    FrozenClock,
+    charge_of_next_request,
+    charged,
+    post,
+    prompt_estimate,
+    remaining_tokens,
+    stream_and_hang_up,
+)
 from ...conformance import OpenAISchemas
 from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
 from .conftest import PUBLIC_MODEL, gateway_config
@@ -262,3 +273,43 @@ def test_requests_one_after_another_reuse_one_pooled_upstream_connection(http: h
     for _ in range(3):
         assert http.post("/v1/chat/completions", json=body).status_code == 200
     assert created() == before
+
+
+def test_a_key_that_hangs_up_or_whose_stream_fails_pays_for_what_it_read(node: HarnessNode) -> None:
+    """Through LMDeploy's real api_server: a stream that ends before its usage chunk (the client hung up, the
+    engine failed mid-stream) is charged the tokens the gateway forwarded plus its prompt estimate."""
+    key, label, tpm, step = "sk-metered-0123456789", "team", 100_000, 4
+    config = gateway_config([node.url])
+    config.server.api_keys = [ApiKeyConfig(key=key, name=label, tokens_per_minute=tpm)]
+    config.server.admin_api_key = "sk-admin-0123456789"
+    running = start_gateway(config, budget_clock=FrozenClock())
+    try:
+        body: dict[str, Any] = {
+            "model": PUBLIC_MODEL,
+            "messages": messages(f"one two three four five six seven [[stub delay=0.05 chunk={step} tag=metered]]"),
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 1,
+        }
+        read = stream_and_hang_up(running.base_url, key, body, tokens=60)
+        charge = charge_of_next_request(running, label, 0)
+        completion = charge - prompt_estimate({**body, "stream": True})
+        assert read <= completion <= read + step, f"read {read} tokens, charged {completion} for them"
+        assert wait_until(lambda: node.events(event="cancel", tag="metered"))
+
+        failing = {
+            **body,
+            "messages": messages("one two three four five [[stub chunk=2 fail=INTERNAL_ENGINE_ERROR after=12]]"),
+        }
+        before = charged(running, label)
+        got = stream_and_hang_up(running.base_url, key, failing, tokens=10_000)  # reads to the error frame
+        assert 0 < got < 200
+        charge = charge_of_next_request(running, label, before)
+        assert charge == prompt_estimate({**failing, "stream": True}) + got
+        probe = {"model": PUBLIC_MODEL, "messages": messages("Hello world"), "max_tokens": 4}
+        spent = charged(running, label)
+        response = post(running.base_url, key, probe)
+        assert remaining_tokens(response) == tpm - spent - (prompt_estimate(probe) + 4), "the headers tell the same"
+    finally:
+        stop_gateway(running)

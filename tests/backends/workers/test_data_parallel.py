@@ -14,8 +14,9 @@ import threading
 import httpx
 import numpy as np
 import orjson
+import structlog
 
-from ...conftest import RunningGateway, wait_until
+from ...conftest import RunningGateway, logged_error_detail, wait_until
 from .conftest import chat, clock_of, driver_of, holding_rank, open_stream, steps
 
 
@@ -129,7 +130,7 @@ def test_killed_worker_fails_its_requests_cleanly_and_comes_back(
 ) -> None:
     driver = driver_of(dp_gateway, "dp")
     with clock_of(dp_gateway, "dp").held():  # the restart waits until the degraded state was looked at
-        with open_stream(http, "dp", 2000) as stream:
+        with structlog.testing.capture_logs() as logs, open_stream(http, "dp", 2000) as stream:
             next(stream)
             victim = driver.ranks[holding_rank(dp_gateway, "dp")]
             assert victim.process is not None
@@ -139,8 +140,10 @@ def test_killed_worker_fails_its_requests_cleanly_and_comes_back(
             rest = list(stream)
         error = orjson.loads(rest[-2])["error"]
         assert rest[-1] == "[DONE]"
-        assert f"data-parallel rank {victim.index}" in error["message"]
-        assert "SIGKILL" in error["message"]
+        assert error["type"] == "server_error"
+        detail = logged_error_detail(logs)  # the client's message is generic; the log has the detail
+        assert f"data-parallel rank {victim.index}" in detail
+        assert "SIGKILL" in detail
 
         # Degraded, still ready, and the other rank keeps serving while the victim waits out its backoff.
         assert wait_until(lambda: http.get("/ready").json()["backends"]["dp"]["reason"].startswith("1/2 ranks up"))
@@ -210,7 +213,7 @@ def test_lockstep_abort_mid_stream_leaves_the_group_serving(dp_gateway: RunningG
 def test_lockstep_rank_death_restarts_the_whole_group(dp_gateway: RunningGateway, http: httpx.Client) -> None:
     driver = driver_of(dp_gateway, "lockstep")
     with clock_of(dp_gateway, "lockstep").held():
-        with open_stream(http, "lockstep", 2000) as stream:
+        with structlog.testing.capture_logs() as logs, open_stream(http, "lockstep", 2000) as stream:
             next(stream)
             busy = holding_rank(dp_gateway, "lockstep")
             old_pids = [r.process.pid for r in driver.ranks if r.process is not None]
@@ -218,8 +221,8 @@ def test_lockstep_rank_death_restarts_the_whole_group(dp_gateway: RunningGateway
             assert idle.process is not None
             os.kill(idle.process.pid, signal.SIGKILL)  # an idle rank dies: the busy one is stuck in a collective
             rest = list(stream)
-        error = orjson.loads(rest[-2])["error"]
-        assert "lockstep group restart" in error["message"]
+        assert orjson.loads(rest[-2])["error"]["type"] == "server_error"
+        assert "lockstep group restart" in logged_error_detail(logs)
         assert wait_until(lambda: http.get("/ready").json()["backends"]["lockstep"]["ready"] is False)
     assert wait_until(lambda: all(r.state == "up" for r in driver.ranks), timeout=30)
     new_pids = [r.process.pid for r in driver.ranks if r.process is not None]

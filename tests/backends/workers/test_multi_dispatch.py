@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 import yaml
 
@@ -143,7 +144,9 @@ def test_a_lost_front_end_has_its_requests_aborted_on_the_ranks_while_the_other_
     path = tmp_path / "front-end.yaml"
     path.write_text(yaml.safe_dump(config))
     base = f"http://127.0.0.1:{port}"
-    victim = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)])
+    log = tmp_path / "front-end.log"
+    with log.open("wb") as out:
+        victim = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)], stdout=out)
     body = {
         "model": "dp",
         "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -176,7 +179,14 @@ def test_a_lost_front_end_has_its_requests_aborted_on_the_ranks_while_the_other_
             for reader in readers:  # thawed: its streams end (with an error frame), they do not hang
                 events = [line for line in reader if line]
                 assert events[-1] == "data: [DONE]"
-                assert "dropped this dispatcher" in events[-2], events[-2]
+                assert orjson.loads(events[-2].removeprefix("data: "))["error"]["type"] == "server_error"
+
+            def details() -> list[str]:  # the client's message is generic; the log line has the detail
+                lines = [orjson.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+                return [line["error_detail"] for line in lines if "error_detail" in line]
+
+            assert wait_until(lambda: len(details()) == 2, timeout=30)
+            assert all("dropped this dispatcher" in detail for detail in details()), details()
         assert wait_until(lambda: _ready(base), timeout=60)
         assert seeded_chat(base, "Back again?", "thawed")
     finally:
