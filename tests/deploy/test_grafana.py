@@ -32,6 +32,7 @@ from ..conftest import RunningGateway, start_gateway, stop_gateway, wait_until
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "deepinfer-gateway.json"
 OPEN_KEY, LIMITED_KEY = "sk-dashboard-open-1", "sk-dashboard-limited-2"
+ADMIN_KEY = "sk-dashboard-admin-3"
 GRAFANA_DURATIONS = {"__rate_interval": "5m", "__interval": "1m", "__range": "1h"}
 SCRAPE_LABELS = {"job", "instance"}  # added by Prometheus to every series it scrapes
 SERIES_OF_TYPE = {
@@ -79,7 +80,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
             "api_keys": [
                 {"key": OPEN_KEY, "name": "open"},
                 {"key": LIMITED_KEY, "name": "limited", "requests_per_minute": 1},
-            ]
+            ],
+            "admin_api_key": ADMIN_KEY,  # /metrics is the operator's once client keys are set
         },
         backends=[
             {"name": "reference", "kind": "reference", "max_in_flight": 4},
@@ -122,7 +124,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
         ]
         assert statuses == [200, 429]
         assert wait_until(lambda: all(s.active == 0 for s in running.state.router.shadows()))
-        yield Exported.scrape(httpx.get(f"{running.base_url}/metrics").text)
+        scraped = httpx.get(f"{running.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        yield Exported.scrape(scraped.text)
     finally:
         stop_gateway(running)
         node.stop()

@@ -30,6 +30,7 @@ def messages_gateway() -> Iterator[RunningGateway]:
         server={
             "api_keys": [KEY, {"key": LIMITED_KEY, "name": "limited", "requests_per_minute": LIMITED_REQUESTS}],
             "thinking_signature_key": SIGNATURE_SECRET,
+            "admin_api_key": "sk-messages-admin",  # /metrics is the operator's once client keys are set
         },
         backends=[
             {"name": "reference", "kind": "reference"},
