@@ -37,6 +37,15 @@ def prompt_estimate(body: dict[str, Any]) -> int:
     return estimate_prompt_tokens(len(orjson.dumps(body)))
 
 
+def prompt_tokens(base_url: str, key: str, body: dict[str, Any]) -> int:
+    """The exact prompt of the chat request ``body``, as ``/tokenize`` renders it: what an engine backend tells
+    the gateway on its first delta, so what a request cut short before its usage is charged for its prompt."""
+    fields = {"model": body["model"], "messages": body["messages"]}
+    response = httpx.post(f"{base_url}/tokenize", json=fields, headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 200, response.text
+    return int(response.json()["count"])
+
+
 def remaining_tokens(response: httpx.Response) -> int:
     return int(response.headers["x-ratelimit-remaining-tokens"])
 

@@ -169,6 +169,10 @@ class Delta(NamedTuple):
     """Output tokens generated for the choice since its previous delta (text a stop string or a parser held back
     is counted with the delta that finally carries it). What a request that ends before its ``Usage`` is charged
     by; 0 from a backend that cannot tell."""
+    prompt_tokens: int = 0
+    """On the first delta of a ``generate`` stream: the prompt tokens the backend processed (what its ``Usage``
+    will report), so a request that ends before its ``Usage`` is charged its exact prompt; 0 elsewhere, and from a
+    backend that cannot tell before its usage (the gateway then charges its estimate)."""
 
 
 class Finish(NamedTuple):

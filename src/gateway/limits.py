@@ -5,8 +5,9 @@ reserves tokens when it is admitted: its prompt, estimated from the size of what
 (``estimate_prompt_tokens``), plus its ``max_tokens`` (or ``server.token_reservation`` when it names none), never
 more than the whole budget; so concurrent requests cannot all pass a spent budget. When it ends, whichever way,
 the reservation is settled with what the request used (``KeyLimits.settle``): the backend's usage when it reported
-one; otherwise the output tokens the gateway forwarded plus the prompt estimate (a client that hangs up, a deadline,
-a stall, a failure mid-stream, an upstream stream cut before its usage). A request that never reached a backend,
+one; otherwise the output tokens the gateway forwarded plus the prompt (a client that hangs up, a deadline, a stall,
+a failure mid-stream, an upstream stream cut before its usage): exact when the backend said how long it was on its
+first delta (``Delta.prompt_tokens``: the engine backends), else the estimate. A request that never reached a backend,
 or that the backend refused before producing anything, gives its whole reservation back.
 
 With ``server.state_store`` the buckets live in Redis and are exact across processes and replicas; without it, or
@@ -72,12 +73,13 @@ class Reservation:
 
 def tokens_used(reservation: Reservation, cost: RequestCost) -> int:
     """What a request is charged: its usage when the backend reported one; else the output it forwarded plus its
-    prompt estimate, if the backend worked on it (see ``CHARGED_WITHOUT_OUTPUT``); else nothing."""
+    prompt (exact when the backend said how long it was, as the engine backends do on their first delta, else the
+    estimate), if the backend worked on it (see ``CHARGED_WITHOUT_OUTPUT``); else nothing."""
     if cost.usage is not None:
         return cost.usage.prompt_tokens + cost.usage.completion_tokens
     if not cost.output_started and cost.status not in CHARGED_WITHOUT_OUTPUT:
         return 0
-    return reservation.prompt_estimate + cost.output_tokens
+    return (cost.prompt_tokens or reservation.prompt_estimate) + cost.output_tokens
 
 
 class KeyLimits:

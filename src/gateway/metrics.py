@@ -238,6 +238,8 @@ class RequestCost(NamedTuple):
     output_tokens: int
     """Output tokens the gateway took from the backend for the client (and sent, when streaming)."""
     output_started: bool
+    prompt_tokens: int = 0
+    """Prompt tokens the backend said it processed (``Delta.prompt_tokens``); 0 when it did not say."""
 
 
 class RequestObserver:
@@ -253,6 +255,7 @@ class RequestObserver:
         "model",
         "on_finish",
         "output_tokens",
+        "prompt_tokens",
         "started",
     )
 
@@ -265,6 +268,7 @@ class RequestObserver:
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self.output_tokens = 0
+        self.prompt_tokens = 0
         self._done = False
         self.on_finish: Callable[[RequestCost], None] | None = None
         """Called once with what the request consumed (per-key token budgets are charged here)."""
@@ -287,14 +291,16 @@ class RequestObserver:
         if not self._done:
             self._series.stalls(reason).inc()
 
-    def output(self, tokens: int) -> None:
-        """A delta of ``tokens`` output tokens goes to the client (the first one times the first token)."""
+    def output(self, tokens: int, prompt_tokens: int = 0) -> None:
+        """A delta of ``tokens`` output tokens goes to the client (the first one times the first token), with the
+        prompt tokens the backend processed when it is the first delta of a backend stream."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.output_tokens += tokens
+        self.prompt_tokens += prompt_tokens
 
     def cost(self, status: int, usage: Usage | None) -> RequestCost:
-        return RequestCost(status, usage, self.output_tokens, self.first_token_at is not None)
+        return RequestCost(status, usage, self.output_tokens, self.first_token_at is not None, self.prompt_tokens)
 
     def finish(self, status: int, usage: Usage | None = None, code: str | None = None) -> None:
         if self._done:

@@ -218,7 +218,7 @@ async def stream_response(
                 outcome.usage = event
                 return None
             if isinstance(event, Delta):
-                observer.output(event.tokens)
+                observer.output(event.tokens, event.prompt_tokens)
             return fmt.frame(event)
 
         reader = BurstReader(events)
@@ -302,7 +302,7 @@ async def whole_response(
                 usage = event
             else:
                 if isinstance(event, Delta):
-                    observer.output(event.tokens)
+                    observer.output(event.tokens, event.prompt_tokens)
                 fmt.add(event)
         return usage
 

@@ -196,6 +196,7 @@ class EngineBackend:
                         yield PromptEcho(index, echo_text)
             remaining = request.n
             echoed = [not scoring] * request.n
+            prompt_unreported = True
             while remaining:
                 index, item = await outputs.get()
                 if isinstance(item, BackendError):
@@ -231,6 +232,9 @@ class EngineBackend:
                         self.driver.abort([engine_ids[index]])
                     live.discard(engine_ids[index])
                 if delta is not None:
+                    if prompt_unreported:  # a request cut short before its usage is charged its exact prompt
+                        prompt_unreported = False
+                        delta = delta._replace(prompt_tokens=len(prompt_ids))
                     yield delta
                 if finish is not None:
                     yield Finish(index, finish, choice.end_logprobs, choice.matched_stop)
