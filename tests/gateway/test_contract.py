@@ -149,6 +149,15 @@ def test_whole_number_floats_are_integers_as_in_openais_json_schema(
     assert len(response.json()["choices"]) == len(http.post(path, json=as_ints).json()["choices"]) == 1
 
 
+def test_whole_number_floats_are_integers_in_the_responses_api_too(http: httpx.Client) -> None:
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 3.0, "seed": 7.0, "top_logprobs": 2.0}
+    response = http.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["max_output_tokens"] == 3
+    fractional = http.post("/v1/responses", json={**body, "max_output_tokens": 3.5})
+    assert_400(fractional, "max_output_tokens", "invalid_type")
+
+
 def test_a_fractional_integer_gets_openais_message(http: httpx.Client) -> None:
     error = assert_400(http.post("/v1/chat/completions", json=chat(max_tokens=16.5)), "max_tokens", "invalid_type")
     assert error["message"] == "Invalid type for 'max_tokens': expected an integer, but got a decimal number instead."

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 from backends.interface import SamplingOptions
-from gateway.openai.protocol import MAX_TOKENS_LIMIT, TOOL_NAME, UnsupportedParameter
+from gateway.openai.protocol import MAX_TOKENS_LIMIT, TOOL_NAME, UnsupportedParameter, WholeInt
 
 SUPPORTED_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")
 """``include`` values accepted. Reasoning is returned in plain text (``content``), never encrypted, so
@@ -91,7 +91,7 @@ class CreateResponseRequest(_Body):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_output_tokens: WholeInt | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     reasoning: ReasoningConfig | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -99,19 +99,19 @@ class CreateResponseRequest(_Body):
     previous_response_id: str | None = Field(None, min_length=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: WholeInt | None = Field(None, ge=0, le=20)
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="extension: reproducible sampling")
-    top_k: int | None = Field(None, ge=-1, description="extension: sample among the k most likely tokens")
+    seed: WholeInt | None = Field(None, ge=-(2**63), lt=2**64, description="extension: reproducible sampling")
+    top_k: WholeInt | None = Field(None, ge=-1, description="extension: sample among the k most likely tokens")
     ignore_eos: bool = Field(False, description="extension: generate until max_output_tokens even past end-of-sequence")
     # Accepted at their defaults only (see the validator).
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    max_tool_calls: int | None = Field(None, ge=1)
+    max_tool_calls: WholeInt | None = Field(None, ge=1)
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
