@@ -154,8 +154,11 @@ def test_whole_number_floats_are_integers_in_the_responses_api_too(http: httpx.C
     response = http.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["max_output_tokens"] == 3
-    fractional = http.post("/v1/responses", json={**body, "max_output_tokens": 3.5})
-    assert_400(fractional, "max_output_tokens", "invalid_type")
+    for wrong in (3.5, "3", True):  # a fraction, and no coercion: a string or a boolean is not an integer
+        assert_400(
+            http.post("/v1/responses", json={**body, "max_output_tokens": wrong}), "max_output_tokens", "invalid_type"
+        )
+    assert_400(http.post("/v1/responses", json={**body, "store": "false"}), "store", "invalid_type")
 
 
 def test_a_fractional_integer_gets_openais_message(http: httpx.Client) -> None:

@@ -28,7 +28,10 @@ def new_id(prefix: str) -> str:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict, as the chat and completion bodies are: a string is never read as a number or a boolean, nor a boolean
+    as a number (``invalid_type``); a whole-number float is an integer (``WholeInt``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextFormat(_Body):
