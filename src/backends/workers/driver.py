@@ -136,6 +136,8 @@ class RankState:
         self.hello_again = HELLO_AGAIN_SECONDS  # a starting remote rank not answering is greeted again after this
         self.adds: list[list[Any]] = []
         self.aborts: list[str] = []
+        self.taken = 0  # ``seq`` of the last STEP message taken: its outputs handed on, the tasks they woke run
+        self.credited = 0  # the ``taken`` the rank was last told
         self.stats: m.RankStats | None = None
         self.samples: Sequence[Sequence[Any]] = ()  # the engine's own metric_samples(), as last reported
         self.base = DriverStats()  # totals of earlier incarnations, so counters never go back
@@ -152,6 +154,11 @@ class RankState:
     @property
     def outstanding(self) -> int:
         return len(self.requests)
+
+    @property
+    def has_commands(self) -> bool:
+        """Adds, aborts or a credit wait to be sent (held back by a full queue, or not flushed yet)."""
+        return bool(self.adds or self.aborts) or self.taken != self.credited
 
     @property
     def restarts(self) -> int:
@@ -390,24 +397,27 @@ class DataParallelDriver:
         sent: list[RankState] = []
         added = False
         for rank in self.ranks:
-            if not (rank.adds or rank.aborts):
+            if not rank.has_commands:
                 continue
             if rank.socket is None:
                 rank.adds = []
                 rank.aborts = []
-            elif self._send(rank, [m.BATCH, rank.adds, rank.aborts]):
+                rank.credited = rank.taken
+            elif self._send(rank, [m.BATCH, rank.adds, rank.aborts, rank.taken]):
                 sent.append(rank)
                 added = added or bool(rank.adds)
                 rank.adds = []
                 rank.aborts = []
+                rank.credited = rank.taken
             # else the rank's queue is full (it is inside a long step): the commands stay queued here and go,
             # merged with later ones, when it has read (``_on_readable``); none is ever dropped
         if added and self.plan.lockstep:
             # Idle ranks wait on their inbox between the group's has_unfinished_requests calls: wake them now,
             # so the rank given work does not wait in the collective for the others' poll timeout.
             for rank in self.ranks:
-                if rank not in sent and rank.socket is not None:
-                    self._send(rank, [m.BATCH, [], []])  # a wake-up: redundant if its queue is full
+                # A wake-up (redundant if its queue is full), with the credit if one is due.
+                if rank not in sent and rank.socket is not None and self._send(rank, [m.BATCH, [], [], rank.taken]):
+                    rank.credited = rank.taken
 
     def _send(self, rank: RankState, message: list[Any]) -> bool:
         """Sends without blocking; False if the rank's queue is full (``messages.QUEUE_MESSAGES``)."""
@@ -435,20 +445,20 @@ class DataParallelDriver:
             try:
                 data = socket.recv(zmq.NOBLOCK)
             except zmq.Again:
-                if rank.adds or rank.aborts:  # held back by a full queue; the worker may have read since
+                if rank.has_commands:  # held back by a full queue; the worker may have read since
                     self._schedule_flush()
                 return
             rank.last_heard = time.monotonic()
             message = m.unpack_event(data)
             kind = message[0]
             if kind == m.STEP:
-                rank.report(m.RankStats(*message[3]))
-                rank.others = m.RankLoad(*message[4])
-                self._dispatch(rank, message[1], message[2])
-                # One step per turn: the next is read after the stream tasks this one woke have sent their frames,
-                # so a rank that outruns the loop cannot bury it (and clients that leave are noticed in time).
+                rank.report(m.RankStats(*message[4]))
+                rank.others = m.RankLoad(*message[5])
+                self._dispatch(rank, message[2], message[3])
+                # One step per turn: it is taken, and the next read, after the stream tasks it woke have sent their
+                # frames (and aborted what their clients left), so the rank's credit tracks what clients were sent.
                 assert self._loop is not None
-                self._loop.call_soon(self._on_readable, index)
+                self._loop.call_soon(self._took, rank, socket, message[1])
                 return
             elif kind == m.HEARTBEAT:
                 rank.report(m.RankStats(*message[1]))
@@ -459,6 +469,16 @@ class DataParallelDriver:
                 self._rank_failed(rank, f"engine failed: {message[1]}")
             elif kind == m.CLOSED:
                 rank.reason = "closed"
+
+    def _took(self, rank: RankState, socket: zmq.Socket, seq: int) -> None:
+        """A step message's outputs are taken: the rank gets the credit (with the aborts they caused, in one
+        ``BATCH``), and the next message is read."""
+        if rank.socket is not socket:
+            return  # taken down meanwhile
+        if seq != rank.taken:
+            rank.taken = seq
+            self._flush()
+        self._on_readable(rank.index)
 
     def _dispatch(self, rank: RankState, outputs: Sequence[tuple[Any, ...]], errors: Sequence[Any]) -> None:
         grouped: dict[str, list[tuple[Any, ...]]] = {}
@@ -510,6 +530,7 @@ class DataParallelDriver:
             return  # a late READY on a socket of a rank taken down
         rank.pid = pid
         rank.info = info
+        rank.taken = rank.credited = 0  # a new session: the rank numbers its step messages from 1 again
         rank.state = "up"
         rank.reason = ""
         rank.last_heard = time.monotonic()
@@ -681,7 +702,7 @@ class DataParallelDriver:
                     rank.hellos = 0  # unanswered by now: lost with an incarnation that died while loading
             elif rank.state == "starting" and rank.remote and rank.socket is not None:
                 self._greet_again(rank, now)
-            if rank.adds or rank.aborts:
+            if rank.has_commands:
                 self._schedule_flush()  # commands held back by a full queue (normally ``_on_readable`` resends)
         self._heartbeat = self._loop.call_later(HEARTBEAT_CHECK_SECONDS, self._check_heartbeats)
 

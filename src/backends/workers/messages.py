@@ -12,9 +12,12 @@ from typing import Any, NamedTuple
 import msgpack
 import zmq
 
+from backends.engine.driver import STEPS_AHEAD as ENGINE_STEPS_AHEAD
+
 # Dispatcher -> worker.
 BATCH = 0
-"""``[BATCH, adds, aborts]``: adds are ``[request_id, sampling_params, prompt_int32_bytes, user_id]``."""
+"""``[BATCH, adds, aborts, taken]``: adds are ``[request_id, sampling_params, prompt_int32_bytes, user_id]``;
+``taken`` is the ``seq`` of the last ``STEP`` message the dispatcher has taken (its credit, ``STEPS_AHEAD``)."""
 RESET = 1
 """``[RESET]``: the hello of a dispatcher session: abort every request *this dispatcher* holds on the worker
 (requests of other dispatchers are untouched), answered with ``READY``."""
@@ -29,14 +32,24 @@ READY = 10
 ``RESET``, and to any message of a dispatcher the worker does not know (a new incarnation of the rank, or one that
 dropped this dispatcher when its lease ran out): such a dispatcher fails what it sent before and says hello again."""
 STEP = 11
-"""``[STEP, outputs, errors, stats, load]``: one engine step's outputs for this dispatcher (``EngineOutput`` fields as
-arrays), its errors, the rank's counters and ``RankLoad``: what the rank holds for *other* dispatchers."""
+"""``[STEP, seq, outputs, errors, stats, load]``: one engine step's outputs for this dispatcher (``EngineOutput``
+fields as arrays), its errors, the rank's counters and ``RankLoad``: what the rank holds for *other* dispatchers.
+``seq`` numbers the messages with outputs or errors this session (1, 2, ...); a message with neither repeats the
+last number and needs no credit."""
 HEARTBEAT = 12
 """``[HEARTBEAT, stats, load]``: an idle worker is alive; ``load`` as in ``STEP``."""
 FAILED = 13
 """``[FAILED, reason]``: the engine failed; the worker exits right after."""
 CLOSED = 14
 """``[CLOSED]``: the engine closed cleanly; the worker exits right after."""
+
+
+STEPS_AHEAD = ENGINE_STEPS_AHEAD
+"""Credits: a rank sends a dispatcher at most this many ``STEP`` messages with outputs beyond what the dispatcher has
+taken (``BATCH``'s ``taken``), then waits before its next step, as the in-process engine waits for the event loop.
+A dispatcher takes a message once it has handed its outputs on and the stream tasks they woke have run, so the rank
+runs at most this many steps ahead of the clients, and an abort sent while taking step ``k`` is applied before
+step ``k + STEPS_AHEAD``."""
 
 
 class RankLoad(NamedTuple):

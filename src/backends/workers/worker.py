@@ -121,9 +121,9 @@ class _Counters:
 
 
 class Dispatcher:
-    """One dispatcher (a gateway front-end process) in front of this rank: its requests and its lease."""
+    """One dispatcher (a gateway front-end process) in front of this rank: its requests, its lease, its credits."""
 
-    __slots__ = ("identity", "last_report", "last_seen", "live", "prefix", "queued")
+    __slots__ = ("behind_since", "identity", "last_report", "last_seen", "live", "prefix", "queued", "sent", "taken")
 
     def __init__(self, identity: bytes, prefix: str, now: float) -> None:
         self.identity = identity
@@ -132,6 +132,14 @@ class Dispatcher:
         self.queued = 0  # prompt tokens of its requests not yet prefilled
         self.last_seen = now
         self.last_report = now
+        self.sent = 0  # ``seq`` of the last STEP message with outputs or errors sent to it
+        self.taken = 0  # ``seq`` of the last one it has taken
+        self.behind_since: float | None = None  # since when the rank waits for it to take its outputs
+
+    @property
+    def behind(self) -> bool:
+        """The rank may not step: this dispatcher's requests would get outputs past its ``STEPS_AHEAD`` credits."""
+        return bool(self.live) and self.sent - self.taken >= m.STEPS_AHEAD
 
 
 class Worker:
@@ -226,6 +234,16 @@ class Worker:
                 self._aborts = []
             if self._stop and not self.lockstep:
                 break
+            behind = self._behind()
+            if behind is not None:
+                # Credits: the dispatcher has not taken the last STEPS_AHEAD steps' outputs. Stepping on would make
+                # tokens nobody reads yet (and that an abort on its way would waste): wait for it, as the
+                # in-process engine waits for its event loop. In lockstep the peers wait in their next collective.
+                now = clock()
+                counters.busy += now - awake
+                self._wait_for(behind, now)
+                awake = clock()
+                continue
             before = clock()
             outputs: Sequence[EngineOutput]
             if engine.has_unfinished_requests():
@@ -248,12 +266,7 @@ class Worker:
                 else:
                     self.socket.poll(int(HEARTBEAT_SECONDS * 1000))
                 awake = clock()
-                stats: list[Any] | None = None
-                for dispatcher in list(self.dispatchers.values()):
-                    if awake - dispatcher.last_report >= HEARTBEAT_SECONDS:
-                        stats = stats or self._stats(awake)
-                        self.send(dispatcher.identity, [m.HEARTBEAT, stats, self.load_for(dispatcher)], block=False)
-                        dispatcher.last_report = awake
+                self._heartbeats(awake)
                 continue
             now = clock()
             counters.engine_seconds += now - before
@@ -262,6 +275,33 @@ class Worker:
             self._report(outputs, now)
         engine.close()
         self.broadcast([m.CLOSED])
+
+    def _behind(self) -> Dispatcher | None:
+        for dispatcher in self.dispatchers.values():
+            if dispatcher.behind:
+                return dispatcher
+        return None
+
+    def _wait_for(self, dispatcher: Dispatcher, now: float) -> None:
+        """Waits (at most a heartbeat) for a message, such as the dispatcher's credit; one that has not taken its
+        outputs for ``lease_seconds`` loses its lease, so a stalled front end holds the others up that long at most."""
+        if dispatcher.behind_since is None:
+            dispatcher.behind_since = now
+        waited = now - dispatcher.behind_since
+        if waited >= self.spec.lease_seconds:
+            self._evict(dispatcher.identity, f"did not take its outputs for {waited:.1f} s")
+            return
+        self.socket.poll(int(1000 * min(HEARTBEAT_SECONDS, self.spec.lease_seconds - waited)) + 1)
+        self._heartbeats(time.perf_counter())
+
+    def _heartbeats(self, now: float) -> None:
+        """Dispatchers that have heard nothing for a heartbeat hear that the rank is alive (while idle or waiting)."""
+        stats: list[Any] | None = None
+        for dispatcher in list(self.dispatchers.values()):
+            if now - dispatcher.last_report >= HEARTBEAT_SECONDS:
+                stats = stats or self._stats(now)
+                self.send(dispatcher.identity, [m.HEARTBEAT, stats, self.load_for(dispatcher)], block=False)
+                dispatcher.last_report = now
 
     def _drain(self) -> None:
         socket = self.socket
@@ -293,6 +333,9 @@ class Worker:
                 prefix = dispatcher.prefix
                 owner = self.owner
                 self._aborts.extend(e for e in (prefix + r for r in message[2]) if e in owner)
+                if message[3] != dispatcher.taken:
+                    dispatcher.taken = message[3]
+                    dispatcher.behind_since = None
             elif kind == m.PING:
                 dispatcher.last_seen = time.perf_counter()
 
@@ -397,10 +440,13 @@ class Worker:
         for dispatcher in list(self.dispatchers.values()):
             batch = routed.get(dispatcher)
             failed = errors.get(dispatcher)
-            if batch is None and failed is None and now - dispatcher.last_report < REPORT_SECONDS:
-                continue
+            if batch is None and failed is None:
+                if now - dispatcher.last_report < REPORT_SECONDS:
+                    continue
+            else:
+                dispatcher.sent += 1  # one credit spent
             stats = stats or self._stats(now)
-            message = [m.STEP, batch or (), failed or (), stats, self.load_for(dispatcher)]
+            message = [m.STEP, dispatcher.sent, batch or (), failed or (), stats, self.load_for(dispatcher)]
             if self.send(dispatcher.identity, message):
                 dispatcher.last_report = now
 
