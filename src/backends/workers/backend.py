@@ -3,7 +3,8 @@
 It is ``EngineBackend`` (prompt encoding, ``max_tokens``, per-choice detokenizing, stop strings, logprobs on the
 event loop) with its driver swapped for a ``DataParallelDriver``: the request path is the same code whether the
 engine runs in process or in N workers. What it adds: readiness that reports degraded states (``3/4 ranks up``)
-and per-rank metric families (label ``rank``).
+and per-rank metric families (label ``rank``), whose numbers are the ranks' own (what each rank reports of itself,
+for every dispatcher), so every front end in front of the same ranks shows the same figures.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class DataParallelBackend(EngineBackend):
         return (True, self.driver.describe()) if ready else (ready, reason)
 
     def metric_families(self) -> list[Metric]:
-        """Per-rank statistics (labels: backend, rank), read at scrape time from what the workers last reported."""
+        """Per-rank statistics (labels: backend, rank), read at scrape time from what the ranks last reported of
+        themselves; a rank that is down has only ``up`` and ``restarts`` until it reports again."""
         labels = ["backend", "rank"]
         up = GaugeMetricFamily("gateway_dp_rank_up", "1 while the data-parallel rank serves.", labels=labels)
         in_flight = GaugeMetricFamily("gateway_dp_rank_requests", "Requests the rank holds.", labels=labels)
@@ -83,17 +85,16 @@ class DataParallelBackend(EngineBackend):
         engine_families: dict[str, Metric] = {}
         for rank in self.driver.ranks:
             key = [self.name, str(rank.index)]
-            totals = rank.totals()
             up.add_metric(key, 1.0 if rank.state == "up" else 0.0)
-            in_flight.add_metric(key, rank.outstanding)
-            queued.add_metric(key, rank.queued_tokens)
-            dispatched.add_metric(key, rank.dispatched)
-            steps.add_metric(key, totals.steps)
-            tokens.add_metric(key, totals.tokens)
             restarts.add_metric(key, rank.restarts)
             stats = rank.stats
             if stats is None:
                 continue
+            in_flight.add_metric(key, stats.requests)
+            queued.add_metric(key, stats.queued_prompt_tokens)
+            dispatched.add_metric(key, stats.dispatched)
+            steps.add_metric(key, stats.steps)
+            tokens.add_metric(key, stats.tokens)
             rate.add_metric(key, stats.steps_per_second)
             samples: dict[str, Sequence[Any]] = {s[0]: s for s in rank.samples}
             kv_sample = samples.get(_KV_SAMPLE)

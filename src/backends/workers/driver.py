@@ -138,10 +138,9 @@ class RankState:
         self.aborts: list[str] = []
         self.taken = 0  # ``seq`` of the last STEP message taken: its outputs handed on, the tasks they woke run
         self.credited = 0  # the ``taken`` the rank was last told
-        self.stats: m.RankStats | None = None
+        self.stats: m.RankStats | None = None  # the rank's own counters (this incarnation's), as last reported
         self.samples: Sequence[Sequence[Any]] = ()  # the engine's own metric_samples(), as last reported
-        self.base = DriverStats()  # totals of earlier incarnations, so counters never go back
-        self.dispatched = 0
+        self.dispatched = 0  # requests this dispatcher sent it (the rank's own count, of everyone's: ``stats``)
         self.launches = 0
         self.reason = "not started"
         self.last_heard = 0.0
@@ -165,16 +164,14 @@ class RankState:
         return max(0, self.launches - 1)
 
     def totals(self) -> DriverStats:
+        """The rank's counters since it started, as it reported them (the same for every dispatcher)."""
         s = self.stats
-        b = self.base
         if s is None:
-            return DriverStats(b.steps, b.tokens, b.busy_seconds, b.engine_seconds)
-        return DriverStats(
-            b.steps + s.steps, b.tokens + s.tokens, b.busy_seconds + s.busy_seconds, b.engine_seconds + s.engine_seconds
-        )
+            return DriverStats()
+        return DriverStats(s.steps, s.tokens, s.busy_seconds, s.engine_seconds)
 
-    def fold(self) -> None:
-        self.base = self.totals()
+    def forget_stats(self) -> None:
+        """The rank is down: its counters and gauges are gone with it (a new incarnation counts from 0)."""
         self.stats = None
         self.samples = ()
 
@@ -341,7 +338,7 @@ class DataParallelDriver:
     ) -> None:
         if not self.alive:
             raise UnavailableError(f"backend {self.name!r} has no rank up: {self._reasons()}", retry_after=1.0)
-        rank = self._choose(prompt_token_ids)
+        rank, prefix = self._choose(prompt_token_ids)
         seed = sampling_params.get("seq_seed")
         if seed is not None:
             sampling_params = {**sampling_params, "seq_seed": seed & _UINT64}  # DeepInfer's own wrap-around
@@ -350,7 +347,7 @@ class DataParallelDriver:
         rank.requests.add(request_id)
         rank.queued_tokens += queued
         rank.dispatched += 1
-        rank.adds.append([request_id, sampling_params, prompt_token_ids.tobytes(), user_id])
+        rank.adds.append([request_id, sampling_params, prompt_token_ids.tobytes(), user_id, prefix])
         self._schedule_flush()
 
     def abort(self, request_ids: list[str]) -> None:
@@ -372,20 +369,22 @@ class DataParallelDriver:
             return False
         return not self.plan.lockstep or all(r.state == "up" for r in self.ranks)
 
-    def _choose(self, prompt: np.ndarray) -> RankState:
+    def _choose(self, prompt: np.ndarray) -> tuple[RankState, bytes]:
+        """The rank for a prompt, and its prefix hashes for the rank to pass on (empty when already sent)."""
         # The n choices of one request share its prompt array: keep them on one rank (one prefill, one cache).
         if prompt is self._last_prompt and self._usable(self.ranks[self._last_rank]):
-            return self.ranks[self._last_rank]
+            return self.ranks[self._last_rank], b""
         balancer = self.balancer
         # Our own load on each rank, known exactly, plus what the rank last reported holding for other dispatchers.
         loads = [
             balancer.load(r.outstanding + r.others.requests, r.queued_tokens + r.others.queued_prompt_tokens)
             for r in self.ranks
         ]
-        index = balancer.choose(prompt, loads, [self._usable(r) for r in self.ranks])
+        prefix = balancer.prefix_hashes(prompt)
+        index = balancer.choose_for(prefix, loads, [self._usable(r) for r in self.ranks])
         self._last_prompt = prompt
         self._last_rank = index
-        return self.ranks[index]
+        return self.ranks[index], prefix.tobytes()
 
     def _schedule_flush(self) -> None:
         if not self._flush_pending and self._loop is not None:
@@ -454,6 +453,7 @@ class DataParallelDriver:
             if kind == m.STEP:
                 rank.report(m.RankStats(*message[4]))
                 rank.others = m.RankLoad(*message[5])
+                self._learn(rank, message[6])
                 self._dispatch(rank, message[2], message[3])
                 # One step per turn: it is taken, and the next read, after the stream tasks it woke have sent their
                 # frames (and aborted what their clients left), so the rank's credit tracks what clients were sent.
@@ -463,12 +463,19 @@ class DataParallelDriver:
             elif kind == m.HEARTBEAT:
                 rank.report(m.RankStats(*message[1]))
                 rank.others = m.RankLoad(*message[2])
+                self._learn(rank, message[3])
             elif kind == m.READY:
                 self._on_ready(rank, message[1], m.EngineInfo(*message[2]))
             elif kind == m.FAILED:
                 self._rank_failed(rank, f"engine failed: {message[1]}")
             elif kind == m.CLOSED:
                 rank.reason = "closed"
+
+    def _learn(self, rank: RankState, prefixes: Sequence[bytes]) -> None:
+        """Prompts other dispatchers sent this rank: their prefixes are found there from here too."""
+        if rank.state == "up":
+            for prefix in prefixes:
+                self.balancer.learn(rank.index, prefix)
 
     def _took(self, rank: RankState, socket: zmq.Socket, seq: int) -> None:
         """A step message's outputs are taken: the rank gets the credit (with the aborts they caused, in one
@@ -676,7 +683,7 @@ class DataParallelDriver:
         rank.state = "down"
         rank.reason = reason
         self._close_socket(rank)
-        rank.fold()
+        rank.forget_stats()
         rank.adds = []
         rank.aborts = []
         self.balancer.forget(rank.index)

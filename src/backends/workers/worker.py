@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -123,7 +124,18 @@ class _Counters:
 class Dispatcher:
     """One dispatcher (a gateway front-end process) in front of this rank: its requests, its lease, its credits."""
 
-    __slots__ = ("behind_since", "identity", "last_report", "last_seen", "live", "prefix", "queued", "sent", "taken")
+    __slots__ = (
+        "behind_since",
+        "identity",
+        "last_report",
+        "last_seen",
+        "live",
+        "prefix",
+        "prefixes",
+        "queued",
+        "sent",
+        "taken",
+    )
 
     def __init__(self, identity: bytes, prefix: str, now: float) -> None:
         self.identity = identity
@@ -135,6 +147,12 @@ class Dispatcher:
         self.sent = 0  # ``seq`` of the last STEP message with outputs or errors sent to it
         self.taken = 0  # ``seq`` of the last one it has taken
         self.behind_since: float | None = None  # since when the rank waits for it to take its outputs
+        self.prefixes: deque[bytes] = deque(maxlen=m.PREFIXES_PENDING)  # other dispatchers' prompts, to pass on
+
+    def take_prefixes(self) -> list[bytes]:
+        prefixes = list(self.prefixes)
+        self.prefixes.clear()
+        return prefixes
 
     @property
     def behind(self) -> bool:
@@ -166,6 +184,7 @@ class Worker:
         self.queued: dict[str, int] = {}  # engine request id -> prompt tokens until its first output
         self.queued_total = 0
         self.tokens = 0
+        self.dispatched = 0
         self.counters = _Counters()
         self.max_num_seqs = int(getattr(self.engine, "max_num_seqs", 0) or 0)
         self._stop = False
@@ -298,9 +317,10 @@ class Worker:
         """Dispatchers that have heard nothing for a heartbeat hear that the rank is alive (while idle or waiting)."""
         stats: list[Any] | None = None
         for dispatcher in list(self.dispatchers.values()):
-            if now - dispatcher.last_report >= HEARTBEAT_SECONDS:
+            if dispatcher.prefixes or now - dispatcher.last_report >= HEARTBEAT_SECONDS:
                 stats = stats or self._stats(now)
-                self.send(dispatcher.identity, [m.HEARTBEAT, stats, self.load_for(dispatcher)], block=False)
+                message = [m.HEARTBEAT, stats, self.load_for(dispatcher), dispatcher.take_prefixes()]
+                self.send(dispatcher.identity, message, block=False)
                 dispatcher.last_report = now
 
     def _drain(self) -> None:
@@ -328,8 +348,8 @@ class Worker:
                 self.send(identity, [m.READY, os.getpid(), self.info()], block=False)
             elif kind == m.BATCH:
                 dispatcher.last_seen = time.perf_counter()
-                for request_id, params, prompt, user_id in message[1]:
-                    self._add(dispatcher, request_id, params, prompt, user_id)
+                for request_id, params, prompt, user_id, prefix in message[1]:
+                    self._add(dispatcher, request_id, params, prompt, user_id, prefix)
                 prefix = dispatcher.prefix
                 owner = self.owner
                 self._aborts.extend(e for e in (prefix + r for r in message[2]) if e in owner)
@@ -369,7 +389,13 @@ class Worker:
         self.queued_total -= queued
 
     def _add(
-        self, dispatcher: Dispatcher, request_id: str, params: dict[str, Any], prompt: bytes, user_id: str
+        self,
+        dispatcher: Dispatcher,
+        request_id: str,
+        params: dict[str, Any],
+        prompt: bytes,
+        user_id: str,
+        prefix: bytes,
     ) -> None:
         if self._stop:
             return
@@ -400,6 +426,11 @@ class Worker:
             self._errors.append((dispatcher, error))
             return
         self.owner[engine_id] = (dispatcher, request_id)
+        self.dispatched += 1
+        if prefix:
+            for other in self.dispatchers.values():
+                if other is not dispatcher:
+                    other.prefixes.append(prefix)
         dispatcher.live.add(engine_id)
         tokens = len(prompt) // 4
         self.queued[engine_id] = tokens
@@ -441,12 +472,13 @@ class Worker:
             batch = routed.get(dispatcher)
             failed = errors.get(dispatcher)
             if batch is None and failed is None:
-                if now - dispatcher.last_report < REPORT_SECONDS:
+                if not dispatcher.prefixes and now - dispatcher.last_report < REPORT_SECONDS:
                     continue
             else:
                 dispatcher.sent += 1  # one credit spent
             stats = stats or self._stats(now)
-            message = [m.STEP, dispatcher.sent, batch or (), failed or (), stats, self.load_for(dispatcher)]
+            load = self.load_for(dispatcher)
+            message = [m.STEP, dispatcher.sent, batch or (), failed or (), stats, load, dispatcher.take_prefixes()]
             if self.send(dispatcher.identity, message):
                 dispatcher.last_report = now
 
@@ -474,6 +506,9 @@ class Worker:
                 kv_usage,
                 counters.rate,
                 samples,
+                len(self.owner),
+                self.queued_total,
+                self.dispatched,
             )
         )
 

@@ -30,7 +30,7 @@ WAIT_MS = 60_000
 
 def add(request_id: str, max_tokens: int) -> list[Any]:
     """A ``BATCH`` add of a request that generates ``max_tokens`` tokens."""
-    return [request_id, {**PARAMS, "max_tokens": max_tokens}, PROMPT, ""]
+    return [request_id, {**PARAMS, "max_tokens": max_tokens}, PROMPT, "", b""]
 
 
 @contextmanager
