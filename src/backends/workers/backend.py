@@ -9,8 +9,9 @@ for every dispatcher), so every front end in front of the same ranks shows the s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -24,6 +25,17 @@ from backends.workers.driver import DataParallelDriver, WorkerPlan
 _KV_SAMPLE = "engine_kv_cache_usage_ratio"
 _DRAFT_TOKENS = "engine_spec_decode_draft_tokens"
 _ACCEPTED_TOKENS = "engine_spec_decode_accepted_tokens"
+
+
+class RankReport(NamedTuple):
+    """One rank as this front end sees it, for readiness aggregations and operators (``DataParallelBackend.ranks``)."""
+
+    rank: int
+    state: Literal["down", "starting", "up"]
+    reason: str  # why it does not serve ('' when up): the engine's error, its restarts, its backoff
+    restarts: int  # as its launcher counts them
+    backoff_seconds: float  # until it is started again (0 while up or building)
+    pid: int | None
 
 
 def _no_local_engine() -> Engine:
@@ -50,7 +62,31 @@ class DataParallelBackend(EngineBackend):
 
     def readiness(self) -> tuple[bool, str]:
         ready, reason = super().readiness()
-        return (True, self.driver.describe()) if ready else (ready, reason)
+        if ready:
+            return True, self.driver.describe()
+        if reason == "starting" and self.driver.ranks:
+            return False, f"starting: {self.driver.describe()}"
+        return ready, reason
+
+    def ranks(self) -> list[RankReport]:
+        """Every rank's state, restarts and backoff: what ``readiness()`` says in words."""
+        now = time.monotonic()
+        return [
+            RankReport(
+                r.index,
+                r.state,
+                "" if r.state == "up" else r.explain(now),
+                r.restarts,
+                r.backoff(now),
+                r.pid,
+            )
+            for r in self.driver.ranks
+        ]
+
+    def max_model_len(self) -> int | None:
+        """The ranks' context window, once one of them has reported it."""
+        engine = self.driver.engine
+        return engine.max_model_len or None if engine is not None else None
 
     def metric_families(self) -> list[Metric]:
         """Per-rank statistics (labels: backend, rank), read at scrape time from what the ranks last reported of
@@ -82,11 +118,22 @@ class DataParallelBackend(EngineBackend):
             labels=labels,
         )
         restarts = CounterMetricFamily("gateway_dp_rank_restarts", "Times the rank was restarted.", labels=labels)
+        backoff = GaugeMetricFamily(
+            "gateway_dp_rank_backoff_seconds",
+            "Seconds until the rank is started again after a failure (0 while it serves or builds its engine).",
+            labels=labels,
+        )
+        starting = GaugeMetricFamily(
+            "gateway_dp_rank_starting", "1 while the rank waits out its backoff or builds its engine.", labels=labels
+        )
         engine_families: dict[str, Metric] = {}
+        now = time.monotonic()
         for rank in self.driver.ranks:
             key = [self.name, str(rank.index)]
             up.add_metric(key, 1.0 if rank.state == "up" else 0.0)
+            starting.add_metric(key, 1.0 if rank.state == "starting" else 0.0)
             restarts.add_metric(key, rank.restarts)
+            backoff.add_metric(key, rank.backoff(now))
             stats = rank.stats
             if stats is None:
                 continue
@@ -112,6 +159,8 @@ class DataParallelBackend(EngineBackend):
                 family.add_metric(key, value)
         return [
             up,
+            starting,
+            backoff,
             in_flight,
             queued,
             dispatched,

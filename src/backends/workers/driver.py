@@ -41,8 +41,11 @@ from backends.engine.protocol import EngineOutput
 from backends.errors import BackendError, InvalidRequestError, OverloadedError, UnavailableError, UpstreamError
 from backends.workers import messages as m
 from backends.workers.balancer import RankBalancer
+from backends.workers.startup import LaunchStatus, read_failure
 from backends.workers.supervisor import Clock, RankSupervisor, RestartPolicy
 from backends.workers.worker import DISPATCHER_LEASE_SECONDS, WorkerSpec
+
+FIRST_LAUNCH = LaunchStatus(1, "", 0.0)
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +85,12 @@ class WorkerPlan:
     lease_seconds: float = DISPATCHER_LEASE_SECONDS
     """Local ranks: a dispatcher silent this long loses its requests on the rank (it pings every second)."""
 
-    def spawn(self, index: int, endpoint: str, collective: str | None) -> subprocess.Popen[bytes]:
-        """Starts rank ``index``'s worker process on ``endpoint`` (raises ``OSError`` when it cannot be spawned)."""
+    def spawn(
+        self, index: int, endpoint: str, collective: str | None, status: LaunchStatus = FIRST_LAUNCH
+    ) -> RankProcess:
+        """Starts rank ``index``'s worker process on ``endpoint``, as launch ``status.launch`` (it waits
+        ``status.delay`` before building its engine); raises ``OSError`` when it cannot be spawned."""
+        read, write = os.pipe()
         spec = WorkerSpec(
             index,
             self.size,
@@ -94,13 +101,44 @@ class WorkerPlan:
             collective,
             os.getpid(),
             self.lease_seconds,
+            status.launch,
+            status.after,
+            status.delay,
+            write,
         )
         env = dict(os.environ)
         if self.rank_env is not None:
             env.update(self.rank_env(index))
-        return subprocess.Popen(
-            [sys.executable, "-m", "backends.workers.worker", spec.to_json()], stdin=subprocess.DEVNULL, env=env
-        )
+        try:
+            return RankProcess(
+                [sys.executable, "-m", "backends.workers.worker", spec.to_json()],
+                read,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                pass_fds=(write,),
+            )
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+
+
+class RankProcess(subprocess.Popen[bytes]):
+    """A rank worker process we started, with the pipe on which it says why its engine failed."""
+
+    def __init__(self, args: list[str], failure_fd: int, **options: Any) -> None:
+        super().__init__(args, **options)
+        self._failure_fd: int | None = failure_fd
+
+    def end_reason(self) -> str:
+        """Why it ended, once it has exited: the engine's failure as it wrote it, else its exit status."""
+        code = self.wait()
+        written = ""
+        if self._failure_fd is not None:
+            written = read_failure(self._failure_fd)
+            self._failure_fd = None
+        return f"engine failed: {written}" if written else f"worker exited with {describe_exit(code)}"
 
 
 class _Entry:
@@ -123,7 +161,7 @@ class RankState:
         self.endpoint = endpoint
         self.remote = remote
         self.state: Literal["down", "starting", "up"] = "down"
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: RankProcess | None = None
         self.exited: asyncio.Future[int] | None = None
         self.socket: zmq.Socket | None = None
         self.pid: int | None = None
@@ -141,9 +179,36 @@ class RankState:
         self.stats: m.RankStats | None = None  # the rank's own counters (this incarnation's), as last reported
         self.samples: Sequence[Sequence[Any]] = ()  # the engine's own metric_samples(), as last reported
         self.dispatched = 0  # requests this dispatcher sent it (the rank's own count, of everyone's: ``stats``)
-        self.launches = 0
+        self.launches = 0  # launches (local ranks) or connections (remote ones) by this dispatcher
+        self.launch = 0  # the incarnation's own number, as it reported it (READY, STARTING); 0: not heard yet
+        self.after = ""  # why its previous incarnation ended, as it reported it
         self.reason = "not started"
+        self.retry_at: float | None = None  # down: when it is started (or, remote, connected) again
+        self.settled = False  # up once, or failed once: the backend's start waits for no more
+        self.builds_at: float | None = None  # starting: when it said it would build its engine (after its backoff)
         self.last_heard = 0.0
+
+    def explain(self, now: float) -> str:
+        """Why the rank does not serve, with its restarts and backoff: for ``/ready`` and the log."""
+        if self.state == "down" and self.retry_at is not None:
+            text = f"{self.reason}; restarting in {max(0.0, self.retry_at - now):.1f} s"
+        elif self.state == "starting" and self.launch:
+            text = f"starting, launch {self.launch}"
+            if self.builds_at is not None and self.builds_at > now:
+                text += f", building its engine in {self.builds_at - now:.1f} s"
+            if self.after:
+                text += f" (after: {self.after})"
+        else:
+            text = self.reason
+        return f"{text}; {self.restarts} restarts" if self.restarts else text
+
+    def backoff(self, now: float) -> float:
+        """Seconds until the rank is started again (0 when it is up or starting now)."""
+        if self.state == "down" and self.retry_at is not None:
+            return max(0.0, self.retry_at - now)
+        if self.state == "starting" and self.builds_at is not None:
+            return max(0.0, self.builds_at - now)
+        return 0.0
 
     def report(self, stats: m.RankStats) -> None:
         self.stats = stats
@@ -161,7 +226,9 @@ class RankState:
 
     @property
     def restarts(self) -> int:
-        return max(0, self.launches - 1)
+        """As the rank's launcher counts them: the incarnation number a remote rank reports, our launches of a local
+        one (which tell it its number)."""
+        return max(0, (self.launch if self.remote else self.launches) - 1)
 
     def totals(self) -> DriverStats:
         """The rank's counters since it started, as it reported them (the same for every dispatcher)."""
@@ -177,14 +244,31 @@ class RankState:
 
 
 class RankedEngineView:
-    """What ``EngineBackend`` reads from ``driver.engine``: the tokenizer (loaded here) and the ranks' limits."""
+    """What ``EngineBackend`` reads from ``driver.engine``: the tokenizer (loaded here) and the ranks' limits, as the
+    first rank that came up reported them (until one has, the tokenizer's vocabulary and no context)."""
 
-    def __init__(self, tokenizer: Tokenizer, info: m.EngineInfo, driver: DataParallelDriver) -> None:
+    def __init__(self, tokenizer: Tokenizer, driver: DataParallelDriver) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = info.max_model_len
-        self.vocab_size = info.vocab_size
-        self.fingerprint = info.fingerprint
         self._driver = driver
+
+    @property
+    def info(self) -> m.EngineInfo | None:
+        return next((r.info for r in self._driver.ranks if r.info is not None), None)
+
+    @property
+    def max_model_len(self) -> int:
+        info = self.info
+        return info.max_model_len if info is not None else 0
+
+    @property
+    def vocab_size(self) -> int:
+        info = self.info
+        return info.vocab_size if info is not None else self.tokenizer.get_vocab_size()
+
+    @property
+    def fingerprint(self) -> str | None:
+        info = self.info
+        return info.fingerprint if info is not None else None
 
     def get_num_unfinished_requests(self) -> int:
         """Requests some rank still holds, as the dispatcher knows them."""
@@ -269,7 +353,8 @@ class DataParallelDriver:
         return text
 
     async def start(self) -> None:
-        """Starts every rank and returns when all are up; raises (and cleans up) if any fails to start."""
+        """Starts every rank and returns once each is up or has failed (a rank that fails to build is restarted
+        with backoff like any other, while ``/ready`` says why); raises (and cleans up) if it cannot start."""
         self._loop = loop = asyncio.get_running_loop()
         self._context = zmq.Context()
         self._run_dir = tempfile.mkdtemp(prefix="dp-")
@@ -291,9 +376,7 @@ class DataParallelDriver:
             tokenizer_task.cancel()
             await self.stop()
             raise
-        info = self.ranks[0].info
-        assert info is not None
-        self.engine = RankedEngineView(tokenizer, info, self)
+        self.engine = RankedEngineView(tokenizer, self)
 
     async def stop(self) -> None:
         """Fails outstanding requests, has every local rank close its engine (together, in lockstep), reaps them."""
@@ -465,7 +548,9 @@ class DataParallelDriver:
                 rank.others = m.RankLoad(*message[2])
                 self._learn(rank, message[3])
             elif kind == m.READY:
-                self._on_ready(rank, message[1], m.EngineInfo(*message[2]))
+                self._on_ready(rank, message[1], m.EngineInfo(*message[2]), message[3])
+            elif kind == m.STARTING:
+                self._on_starting(rank, message[1], *message[2])
             elif kind == m.FAILED:
                 self._rank_failed(rank, f"engine failed: {message[1]}")
             elif kind == m.CLOSED:
@@ -523,7 +608,24 @@ class DataParallelDriver:
         rank.queued_tokens -= entry.queued
         entry.queued = 0
 
-    def _on_ready(self, rank: RankState, pid: int, info: m.EngineInfo) -> None:
+    def _on_starting(self, rank: RankState, pid: int, launch: int, after: str, delay: float) -> None:
+        """The rank waits out its backoff or builds its engine; a rank we served from has restarted."""
+        if rank.state == "up":
+            self._take_down(rank, "restarted")
+            self._connect(rank)
+            rank.state = "starting"
+        elif rank.state != "starting":
+            return
+        rank.pid = pid
+        rank.launch = launch
+        rank.after = after
+        rank.builds_at = time.monotonic() + delay
+        rank.reason = "starting"
+        if after:  # its launcher restarts it after failures: the start does not wait for it
+            rank.settled = True
+            self._maybe_started()
+
+    def _on_ready(self, rank: RankState, pid: int, info: m.EngineInfo, launch: int) -> None:
         answer = rank.hellos > 0
         rank.hellos = max(0, rank.hellos - 1)
         if rank.state == "up" and answer:
@@ -537,6 +639,8 @@ class DataParallelDriver:
             return  # a late READY on a socket of a rank taken down
         rank.pid = pid
         rank.info = info
+        rank.launch = launch
+        rank.builds_at = None
         rank.taken = rank.credited = 0  # a new session: the rank numbers its step messages from 1 again
         rank.state = "up"
         rank.reason = ""
@@ -544,9 +648,7 @@ class DataParallelDriver:
         logger.info("rank %d of %s is up (pid %d)", rank.index, self.name, pid)
         assert self.supervisor is not None
         self.supervisor.ready(rank.index)
-        started = self._started
-        if started is not None and not started.done() and all(r.state == "up" for r in self.ranks):
-            started.set_result(None)
+        self._maybe_started()
 
     # ---- processes, sockets, failure (what RankSupervisor decides, carried out: the RankControl surface) --------
 
@@ -563,10 +665,15 @@ class DataParallelDriver:
         rank = self.ranks[index]
         logger.error("rank %d of %s is down: %s; restarting in %.1f s", index, self.name, reason, restart_in)
         self._take_down(rank, reason)
-        rank.reason = f"{reason}; restarting in {restart_in:.1f} s"
+        rank.retry_at = time.monotonic() + restart_in
+        rank.settled = True
+        self._maybe_started()
+
+    def _maybe_started(self) -> None:
+        """The start is over once every rank is up or has failed (and is being restarted)."""
         started = self._started
-        if started is not None and not started.done():
-            started.set_exception(RuntimeError(f"rank {index} of backend {self.name!r} failed: {reason}"))
+        if started is not None and not started.done() and all(r.state == "up" or r.settled for r in self.ranks):
+            started.set_result(None)
 
     def _endpoint(self, rank: int) -> str:
         """Where a rank is reached: for a local TCP rank a port free now, chosen again at each launch (the old one
@@ -588,10 +695,14 @@ class DataParallelDriver:
     def _launch(self, rank: RankState, collective: str | None) -> None:
         """Connects to the rank's endpoint (sending RESET as the hello) and, for a local rank, starts its process."""
         assert self._loop is not None
+        after = rank.reason if rank.launches else ""
         rank.state = "starting"
         rank.reason = "starting"
         rank.pid = None
+        rank.retry_at = rank.builds_at = None
         rank.launches += 1
+        if not rank.remote:  # what we tell it; a remote rank tells us
+            rank.launch, rank.after = rank.launches, after
         if not rank.remote:
             rank.endpoint = self._endpoint(rank.index)
         self._connect(rank)
@@ -599,7 +710,7 @@ class DataParallelDriver:
             return
         # Spawned from the event loop's thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
         try:
-            process = self.plan.spawn(rank.index, rank.endpoint, collective)
+            process = self.plan.spawn(rank.index, rank.endpoint, collective, LaunchStatus(rank.launches, after, 0.0))
         except OSError as exc:  # reported from the next loop iteration: the supervisor is inside its launch now
             logger.exception("cannot start rank %d of %s", rank.index, self.name)
             self._loop.call_soon(self._never_started, rank, f"cannot start its worker process: {exc}")
@@ -635,7 +746,7 @@ class DataParallelDriver:
             self._loop.remove_reader(socket.FD)
         socket.close(linger=0)
 
-    def _watch_exit(self, rank: RankState, process: subprocess.Popen[bytes], exited: asyncio.Future[int]) -> None:
+    def _watch_exit(self, rank: RankState, process: RankProcess, exited: asyncio.Future[int]) -> None:
         assert self._loop is not None
         loop = self._loop
         try:
@@ -651,16 +762,16 @@ class DataParallelDriver:
 
         loop.add_reader(pidfd, readable)
 
-    def _on_exit(self, rank: RankState, process: subprocess.Popen[bytes], exited: asyncio.Future[int]) -> None:
-        code = process.wait()
+    def _on_exit(self, rank: RankState, process: RankProcess, exited: asyncio.Future[int]) -> None:
+        reason = process.end_reason()
         if not exited.done():
-            exited.set_result(code)
+            exited.set_result(process.returncode)
         if rank.process is not process:
             return
         rank.process = None
         if self._stopping:
             return
-        self._rank_failed(rank, f"worker exited with {_describe_exit(code)}")
+        self._rank_failed(rank, reason)
         assert self.supervisor is not None
         self.supervisor.exited(rank.index)  # its GPU memory is free: a relaunch may go ahead
 
@@ -725,7 +836,8 @@ class DataParallelDriver:
         rank.hello_again = min(HELLO_AGAIN_MAX_SECONDS, rank.hello_again * 2)
 
     def _reasons(self) -> str:
-        return "; ".join(f"rank {r.index}: {r.reason}" for r in self.ranks if not self._usable(r)) or "none"
+        now = time.monotonic()
+        return "; ".join(f"rank {r.index}: {r.explain(now)}" for r in self.ranks if not self._usable(r)) or "none"
 
 
 def _rebuild_error(kind: str, message: str) -> BackendError:
@@ -736,7 +848,7 @@ def _rebuild_error(kind: str, message: str) -> BackendError:
     return UpstreamError(message)
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"

@@ -30,7 +30,8 @@ PING = 3
 
 # Worker -> dispatcher.
 READY = 10
-"""``[READY, pid, info]``: the engine is constructed; ``info`` describes it (``EngineInfo`` fields). The answer to
+"""``[READY, pid, info, launch]``: the engine is constructed; ``info`` describes it (``EngineInfo`` fields),
+``launch`` is this incarnation's number (1, then one more per restart, as its launcher counts). The answer to
 ``RESET``, and to any message of a dispatcher the worker does not know (a new incarnation of the rank, or one that
 dropped this dispatcher when its lease ran out): such a dispatcher fails what it sent before and says hello again."""
 STEP = 11
@@ -42,9 +43,13 @@ repeats the last number and needs no credit."""
 HEARTBEAT = 12
 """``[HEARTBEAT, stats, load, prefixes]``: an idle (or waiting) worker is alive; the rest as in ``STEP``."""
 FAILED = 13
-"""``[FAILED, reason]``: the engine failed; the worker exits right after."""
+"""``[FAILED, reason]``: the engine failed (to build, or while serving); the worker exits right after."""
 CLOSED = 14
 """``[CLOSED]``: the engine closed cleanly; the worker exits right after."""
+STARTING = 15
+"""``[STARTING, pid, [launch, after, delay]]``: the answer to any message while the rank waits out its restart
+backoff (``delay`` seconds more) or builds its engine (``delay`` 0); ``after`` is why the previous incarnation
+ended. A hello (``RESET``) is remembered and answered with ``READY`` once the engine is built."""
 
 
 STEPS_AHEAD = ENGINE_STEPS_AHEAD

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from backends.workers import messages as m
-from backends.workers.driver import STOP_TIMEOUT_SECONDS, WorkerPlan
+from backends.workers.driver import STOP_TIMEOUT_SECONDS, RankProcess, WorkerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class RankNode:
         self.plan = plan
         self.ranks = list(ranks)
         self.endpoints = list(endpoints)
-        self.processes: list[subprocess.Popen[bytes]] = []
+        self.processes: list[RankProcess] = []
         self._wake_read, self._wake_write = os.pipe()
         self._stopping = False
 
@@ -122,11 +122,10 @@ class RankNode:
                             logger.info("rank %d of %s closed with its group", rank, self.name)
                             return 0
                         logger.error(
-                            "rank %d of %s exited with code %s: taking the node's ranks down so that the group "
-                            "restarts whole",
+                            "rank %d of %s ended (%s): taking the node's ranks down so that the group restarts whole",
                             rank,
                             self.name,
-                            code,
+                            process.end_reason(),
                         )
                         return 1
             return 0

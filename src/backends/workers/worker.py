@@ -38,6 +38,7 @@ from backends.engine.protocol import Engine, EngineOutput
 from backends.errors import BackendError, InvalidRequestError, OverloadedError
 from backends.workers import messages as m
 from backends.workers.collective import DataParallelGroup
+from backends.workers.startup import LaunchStatus, StartupResponder
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class WorkerSpec:
     collective_endpoint: str | None = None  # lockstep: where rank 0 hosts the group's rendezvous
     parent_pid: int | None = None  # exit with the gateway that started us (None: started by someone else)
     lease_seconds: float = DISPATCHER_LEASE_SECONDS  # a dispatcher silent this long loses its requests
+    launch: int = 1  # this incarnation's number, as the launcher counts (restarts + 1)
+    after: str = ""  # why the previous incarnation ended
+    start_delay: float = 0.0  # the restart backoff, waited (answering dispatchers) before the engine is built
+    failure_fd: int | None = None  # a pipe to the launcher: why the engine failed, written before exiting
 
     def to_json(self) -> str:
         return json.dumps({name: getattr(self, name) for name in self.__slots__})  # type: ignore[attr-defined]
@@ -171,8 +176,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec, socket: zmq.Socket, rank_engine: RankEngine) -> None:
         self.spec = spec
         self.socket = socket
-        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue blocks (or times out), an unknown peer raises
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a dispatcher reconnecting under its id takes its place
+        route_to_dispatchers(socket)
         socket.setsockopt(zmq.SNDTIMEO, int(spec.lease_seconds * 1000))
         self.engine = rank_engine.engine
         self.group = rank_engine.group
@@ -334,18 +338,13 @@ class Worker:
             kind = message[0]
             dispatcher = self.dispatchers.get(identity)
             if kind == m.RESET:
-                if dispatcher is not None:
-                    self._aborts.extend(dispatcher.live)
-                    self._forget_dispatcher(dispatcher)
-                self._sessions += 1
-                self.dispatchers[identity] = Dispatcher(identity, f"{self._sessions}/", time.perf_counter())
-                self.send(identity, [m.READY, os.getpid(), self.info()])
+                self.hello(identity)
             elif kind == m.STOP:
                 self._stop = True
             elif dispatcher is None:
                 # A dispatcher this incarnation does not know (it restarted, or the lease ran out): its commands
                 # belong to requests it must fail; READY tells it so, and it says hello again.
-                self.send(identity, [m.READY, os.getpid(), self.info()], block=False)
+                self.send(identity, [m.READY, os.getpid(), self.info(), self.spec.launch], block=False)
             elif kind == m.BATCH:
                 dispatcher.last_seen = time.perf_counter()
                 for request_id, params, prompt, user_id, prefix in message[1]:
@@ -358,6 +357,20 @@ class Worker:
                     dispatcher.behind_since = None
             elif kind == m.PING:
                 dispatcher.last_seen = time.perf_counter()
+
+    def hello(self, identity: bytes) -> None:
+        """A dispatcher's session starts (again: whatever it held here is aborted), answered with ``READY``."""
+        known = self.dispatchers.get(identity)
+        if known is not None:
+            self._aborts.extend(known.live)
+            self._forget_dispatcher(known)
+        self._sessions += 1
+        self.dispatchers[identity] = Dispatcher(identity, f"{self._sessions}/", time.perf_counter())
+        self.send(identity, [m.READY, os.getpid(), self.info(), self.spec.launch])
+
+    def stop(self) -> None:
+        """Abort everything and close the engine (with the group, in lockstep), as a ``STOP`` asks."""
+        self._stop = True
 
     def _check_leases(self, now: float) -> None:
         self._lease_checked = now
@@ -513,6 +526,13 @@ class Worker:
         )
 
 
+def route_to_dispatchers(socket: zmq.Socket) -> None:
+    """The rank's ROUTER options, set before it binds: from the first connection on (its engine may still be
+    building), a dispatcher reconnecting under its routing id takes the old connection's place."""
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue blocks (or times out), an unknown peer raises
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a dispatcher reconnecting under its id takes its place
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """A gateway killed hard must not leave engines holding GPUs: ask Linux to SIGKILL us when it goes."""
     try:
@@ -534,19 +554,40 @@ def main(argv: list[str] | None = None) -> int:
     context = zmq.Context.instance()
     socket = context.socket(zmq.ROUTER)  # several dispatchers (front-end processes) may connect
     m.bound_queues(socket)
+    route_to_dispatchers(socket)
     socket.setsockopt(zmq.LINGER, 2000)
     socket.bind(spec.endpoint)
     context_for_factory = RankContext(spec.rank, spec.size, spec.lockstep, spec.collective_endpoint, spec.options)
+    startup = StartupResponder(socket, LaunchStatus(spec.launch, spec.after, spec.start_delay))
+    startup.start()
+    try:
+        if spec.start_delay:
+            logger.info("data-parallel rank %d starts in %.1f s (after: %s)", spec.rank, spec.start_delay, spec.after)
+        startup.wait_delay()
+        rank_engine = load_factory(spec.factory)(context_for_factory)
+    except BaseException as exc:
+        logger.exception("data-parallel rank %d failed to build its engine", spec.rank)
+        startup.finish()
+        startup.report_failure(repr(exc), spec.failure_fd)
+        socket.close(linger=1000)
+        return 1
+    startup.finish()
     worker: Worker | None = None
     try:
-        rank_engine = load_factory(spec.factory)(context_for_factory)
         worker = Worker(spec, socket, rank_engine)
+        for identity in startup.greeted:  # they said hello while the engine was being built
+            worker.hello(identity)
+        if startup.stop_requested:
+            worker.stop()
         worker.run()
     except BaseException as exc:
         logger.exception("data-parallel rank %d failed", spec.rank)
         if worker is not None:
             with contextlib.suppress(zmq.ZMQError):
                 worker.broadcast([m.FAILED, repr(exc)])
+        if spec.failure_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(spec.failure_fd, repr(exc).encode()[:4096])
         socket.close(linger=1000)
         return 1
     socket.close()

@@ -63,8 +63,10 @@ class RankPeer:
         self.socket.send(m.pack(list(message)))
 
     def hello(self) -> tuple[Any, ...]:
+        """Says hello and waits for ``READY`` (a rank still building its engine answers ``STARTING`` first)."""
         self.send(m.RESET)
-        ready = self.receive()
+        while (ready := self.receive())[0] == m.STARTING:
+            pass
         assert ready[0] == m.READY, ready
         return ready
 
