@@ -41,6 +41,7 @@ from backends.engine.protocol import EngineOutput
 from backends.errors import BackendError, InvalidRequestError, OverloadedError, UnavailableError, UpstreamError
 from backends.workers import messages as m
 from backends.workers.balancer import RankBalancer
+from backends.workers.keys import keys_for
 from backends.workers.startup import LaunchStatus, read_failure
 from backends.workers.supervisor import Clock, RankSupervisor, RestartPolicy
 from backends.workers.worker import DISPATCHER_LEASE_SECONDS, WorkerSpec
@@ -84,6 +85,8 @@ class WorkerPlan:
     """A rank silent this long is declared dead (workers report at least every second, and after each step)."""
     lease_seconds: float = DISPATCHER_LEASE_SECONDS
     """Local ranks: a dispatcher silent this long loses its requests on the rank (it pings every second)."""
+    keys: str | None = None
+    """``rank_keys``: the directory of CURVE key files the rank plane uses over TCP (``backends/workers/keys.py``)."""
 
     def spawn(
         self, index: int, endpoint: str, collective: str | None, status: LaunchStatus = FIRST_LAUNCH
@@ -105,6 +108,7 @@ class WorkerPlan:
             status.after,
             status.delay,
             write,
+            self.keys,
         )
         env = dict(os.environ)
         if self.rank_env is not None:
@@ -724,6 +728,9 @@ class DataParallelDriver:
         self._close_socket(rank)
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.ROUTING_ID, self.identity)
+        keys = keys_for(rank.endpoint, self.plan.keys)
+        if keys is not None:
+            keys.connect_as_client(socket)
         m.bound_queues(socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RECONNECT_IVL, 20)

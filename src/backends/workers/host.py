@@ -25,6 +25,7 @@ import zmq
 
 from backends.workers import messages as m
 from backends.workers.driver import STOP_TIMEOUT_SECONDS, RankProcess, WorkerPlan, free_port
+from backends.workers.keys import keys_for
 from backends.workers.startup import LaunchStatus
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,9 @@ class RankHost:
                 socket = context.socket(zmq.DEALER)
                 socket.setsockopt(zmq.LINGER, int(STOP_TIMEOUT_SECONDS * 1000))
                 socket.setsockopt(zmq.ROUTING_ID, b"front-end-supervisor")
+                keys = keys_for(self.endpoints[index], self.plan.keys)
+                if keys is not None:
+                    keys.connect_as_client(socket)
                 socket.connect(self.endpoints[index])
                 for message in ([m.RESET], [m.STOP]):
                     with contextlib.suppress(zmq.Again):

@@ -29,6 +29,7 @@ import zmq
 
 from backends.workers import messages as m
 from backends.workers.driver import STOP_TIMEOUT_SECONDS, RankProcess, WorkerPlan
+from backends.workers.keys import keys_for
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,9 @@ class RankNode:
                 socket = context.socket(zmq.DEALER)
                 socket.setsockopt(zmq.LINGER, int(STOP_TIMEOUT_SECONDS * 1000))
                 socket.setsockopt(zmq.ROUTING_ID, b"rank-node")
+                keys = keys_for(endpoint, self.plan.keys) if self.plan.keys else None
+                if keys is not None:  # the node holds the ranks' key pair, which they admit too
+                    keys.connect_as_client(socket)
                 socket.connect(_reachable(endpoint))
                 for message in ([m.RESET], [m.STOP]):
                     with contextlib.suppress(zmq.Again):

@@ -38,6 +38,7 @@ from backends.engine.protocol import Engine, EngineOutput
 from backends.errors import BackendError, InvalidRequestError, OverloadedError
 from backends.workers import messages as m
 from backends.workers.collective import DataParallelGroup
+from backends.workers.keys import RankKeysError, keys_for
 from backends.workers.startup import LaunchStatus, StartupResponder
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class WorkerSpec:
     after: str = ""  # why the previous incarnation ended
     start_delay: float = 0.0  # the restart backoff, waited (answering dispatchers) before the engine is built
     failure_fd: int | None = None  # a pipe to the launcher: why the engine failed, written before exiting
+    keys: str | None = None  # rank_keys: over TCP only dispatchers with an admitted key are heard (CURVE)
 
     def to_json(self) -> str:
         return json.dumps({name: getattr(self, name) for name in self.__slots__})  # type: ignore[attr-defined]
@@ -556,6 +558,24 @@ def main(argv: list[str] | None = None) -> int:
     m.bound_queues(socket)
     route_to_dispatchers(socket)
     socket.setsockopt(zmq.LINGER, 2000)
+    try:
+        keys = keys_for(spec.endpoint, spec.keys)
+        authenticator = keys.serve(socket, context) if keys is not None else None
+    except RankKeysError as exc:  # before the bind: nobody may reach a rank that cannot check who it is
+        logger.error("data-parallel rank %d refuses to start: %s", spec.rank, exc)
+        if spec.failure_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(spec.failure_fd, str(exc).encode()[:4096])
+        return 2
+    try:
+        return _serve(spec, socket)
+    finally:
+        if authenticator is not None:
+            authenticator.stop()
+
+
+def _serve(spec: WorkerSpec, socket: zmq.Socket) -> int:
+    """Binds the rank's socket, builds its engine and runs it until it stops (0) or fails (1)."""
     socket.bind(spec.endpoint)
     context_for_factory = RankContext(spec.rank, spec.size, spec.lockstep, spec.collective_endpoint, spec.options)
     startup = StartupResponder(socket, LaunchStatus(spec.launch, spec.after, spec.start_delay))
