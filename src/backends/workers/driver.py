@@ -422,7 +422,8 @@ class DataParallelDriver:
         sink: Sink,
         index: int,
         user_id: str = "",
-    ) -> None:
+    ) -> int:
+        """Sends the request to the rank the balancer picks (in the next flush); returns that rank's index."""
         if not self.alive:
             raise UnavailableError(f"backend {self.name!r} has no rank up: {self._reasons()}", retry_after=1.0)
         rank, prefix = self._choose(prompt_token_ids)
@@ -436,6 +437,7 @@ class DataParallelDriver:
         rank.dispatched += 1
         rank.adds.append([request_id, sampling_params, prompt_token_ids.tobytes(), user_id, prefix])
         self._schedule_flush()
+        return rank.index
 
     def abort(self, request_ids: list[str]) -> None:
         """Stops the requests now: sinks dropped at once, each rank holding one is told in the next flush."""
