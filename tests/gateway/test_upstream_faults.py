@@ -65,7 +65,7 @@ def test_an_upstream_quiet_mid_stream_past_the_idle_timeout_ends_the_stream_with
     assert data[-1] == "[DONE]"
     assert orjson.loads(data[0])["choices"], "tokens flowed before the upstream went quiet"
     error = orjson.loads(data[-2])["error"]
-    assert error["code"] == "timeout" and "No output" in error["message"]
+    assert error["code"] == "timeout"
     assert wait_until(lambda: node.events(event="cancel", tag="quiet-mid"), timeout=15)
 
 
