@@ -47,16 +47,19 @@ def children(pid: int) -> list[int]:
 
 
 def serve_gateway(
-    config: dict[str, Any], *, label: str = "gateway", timeout: float = 180.0
+    config: dict[str, Any], *, label: str = "gateway", timeout: float = 180.0, source: Path | None = None
 ) -> tuple[subprocess.Popen[bytes], str, Path]:
-    """Starts ``deepinfer-gateway serve`` with ``config`` on a free port and waits until ``/ready`` is 200.
+    """Starts ``deepinfer-gateway serve`` with ``config`` on a free port and waits until ``/ready`` is 200; with
+    ``source`` (another checkout's ``src``, e.g. a worktree of main) the gateway runs that code, with this
+    environment's dependencies, so two versions can be measured interleaved in one run.
 
     Returns the process, its base URL and the config file (the caller removes it)."""
     port = free_port()
     path = Path(tempfile.mkdtemp()) / "bench.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

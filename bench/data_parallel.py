@@ -13,10 +13,16 @@ and reports:
   several front ends, their sum plus the supervisor's) and its rank workers;
 - the share of the gateway's CPU per token spent turning engine outputs into text (detokenizing, stop matching:
   ``_Choice.consume``), measured offline on the same tokenizer, to decide whether that work should move into
-  the workers.
+  the workers;
+- one view: the sum over ranks of ``gateway_dp_rank_dispatched_requests_total`` in six scrapes taken after the
+  load (each on a new connection, so with several front ends they reach different ones), against the requests
+  sent: the ranks count what they took, so every scrape should show them all.
 
 Usage: ``python bench/data_parallel.py --duration 15 --concurrency 256`` (add ``--lockstep --layouts 2,4`` for
-ranks that step together; ``--layouts 2,2x2`` compares one and two front ends in front of two ranks).
+ranks that step together; ``--layouts 2,2x2`` compares one and two front ends in front of two ranks). The probe
+of issue 23: ``--layouts 2,2x2 --concurrency 64 --max-tokens 256``. ``--against ../main/src --rounds 3`` runs every
+layout with this tree and with another checkout's source, interleaved (the order alternating each round), and
+reports each pair's ratio.
 """
 
 from __future__ import annotations
@@ -61,7 +67,9 @@ def split_layout(layout: str) -> tuple[str, int]:
     return ranks, int(front_ends or 1)
 
 
-def start_gateway(layout: str, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, Path]:
+def start_gateway(
+    layout: str, args: argparse.Namespace, source: Path | None = None
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     backend: dict[str, Any] = {
         "name": "reference",
         "kind": "reference",
@@ -81,6 +89,7 @@ def start_gateway(layout: str, args: argparse.Namespace) -> tuple[subprocess.Pop
             "models": [{"name": MODEL, "backends": ["reference"]}],
         },
         label=f"gateway ({layout})",
+        source=source,
     )
 
 
@@ -103,8 +112,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, number: int, max_
 async def run_load(base_url: str, concurrency: int, duration: float, max_tokens: int) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=concurrency)
     url = f"{base_url}/v1/chat/completions"
+    warm_up = min(concurrency, 16)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
-        await asyncio.gather(*(stream_one(session, url, i, 4) for i in range(min(concurrency, 16))))  # warm-up
+        await asyncio.gather(*(stream_one(session, url, i, 4) for i in range(warm_up)))
         counter = iter(range(10**9))
         done: list[int] = []
         stop_at = time.perf_counter() + duration
@@ -116,7 +126,19 @@ async def run_load(base_url: str, concurrency: int, duration: float, max_tokens:
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - started
-    return {"requests": len(done), "frames": sum(done), "wall_seconds": wall}
+    return {"requests": len(done), "warm_up": warm_up, "frames": sum(done), "wall_seconds": wall}
+
+
+def dispatched_sums(base_url: str, before: dict[str, float], scrapes: int = 6) -> list[int]:
+    """The requests the ranks say they took since ``before``, summed over ranks, in each of ``scrapes`` scrapes on
+    new connections. Taken once the ranks have reported since the load ended (every second when idle)."""
+    time.sleep(1.5)
+    sums = []
+    for _ in range(scrapes):
+        now = scrape(base_url)
+        prefix = "gateway_dp_rank_dispatched_requests_total/"
+        sums.append(int(sum(v - before.get(k, 0.0) for k, v in now.items() if k.startswith(prefix))))
+    return sums
 
 
 def choice_cost_us_per_token(tokens_per_step: int) -> float:
@@ -145,6 +167,47 @@ def choice_cost_us_per_token(tokens_per_step: int) -> float:
     return 1e6 * elapsed / (rounds * sum(len(s) for s in steps))
 
 
+def measure(layout: str, args: argparse.Namespace, source: Path | None) -> dict[str, Any]:
+    process, base_url, config = start_gateway(layout, args, source)
+    try:
+        for _ in range(20):  # new connections reach every front end: each must be ready
+            while httpx.get(f"{base_url}/ready").status_code != 200:
+                time.sleep(0.2)
+        workers = [pid for pid in children(process.pid) if is_rank_worker(pid)]
+        front_ends = [process.pid] + [pid for pid in children(process.pid) if not is_rank_worker(pid)]
+        before = scrape(base_url)
+        cpu0 = sum(cpu_seconds(pid) for pid in front_ends)
+        wcpu0 = sum(cpu_seconds(w) for w in workers)
+        load = asyncio.run(run_load(base_url, args.concurrency, args.duration, args.max_tokens))
+        cpu1 = sum(cpu_seconds(pid) for pid in front_ends)
+        wcpu1 = sum(cpu_seconds(w) for w in workers)
+        after = scrape(base_url)
+        sums = dispatched_sums(base_url, before) if workers else []
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        config.unlink(missing_ok=True)
+    tokens = after.get("gateway_generation_tokens_total", 0.0) - before.get("gateway_generation_tokens_total", 0.0)
+    per_rank = sorted(
+        after[k] - before.get(k, 0.0) for k in after if k.startswith("gateway_dp_rank_dispatched_requests_total/")
+    )
+    return {
+        "layout": layout,
+        "source": str(source) if source is not None else "this tree",
+        "requests": load["requests"],
+        "tokens": tokens,
+        "tokens_per_second": tokens / load["wall_seconds"],
+        "requests_per_second": load["requests"] / load["wall_seconds"],
+        "requests_per_rank": per_rank,
+        "balance_ratio": (per_rank[-1] / per_rank[0]) if per_rank and per_rank[0] else None,
+        "dispatched_in_six_scrapes": sums,
+        "requests_sent": load["requests"] + load["warm_up"],
+        "gateway_cpu_us_per_token": 1e6 * (cpu1 - cpu0) / tokens,
+        "gateway_cpu_utilisation": (cpu1 - cpu0) / load["wall_seconds"],
+        "worker_cpu_us_per_token": 1e6 * (wcpu1 - wcpu0) / tokens if workers else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", default="inproc,1,2,4", help="inproc and/or worker counts, comma-separated")
@@ -155,57 +218,39 @@ def main() -> None:
     parser.add_argument("--tokens-per-step", type=int, default=4)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="running requests per rank")
     parser.add_argument("--lockstep", action="store_true", help="ranks step together (DeepInfer DP collectives)")
+    parser.add_argument("--against", type=Path, help="another checkout's src (e.g. a worktree of main) to compare")
+    parser.add_argument("--rounds", type=int, default=1, help="with --against: interleaved rounds per layout")
     parser.add_argument("--out", type=Path, default=Path("bench/results/data_parallel.json"))
     args = parser.parse_args()
     rows = []
-    for layout in args.layouts.split(","):
-        process, base_url, config = start_gateway(layout, args)
-        try:
-            for _ in range(20):  # new connections reach every front end: each must be ready
-                while httpx.get(f"{base_url}/ready").status_code != 200:
-                    time.sleep(0.2)
-            workers = [pid for pid in children(process.pid) if is_rank_worker(pid)]
-            front_ends = [process.pid] + [pid for pid in children(process.pid) if not is_rank_worker(pid)]
-            before = scrape(base_url)
-            cpu0 = sum(cpu_seconds(pid) for pid in front_ends)
-            wcpu0 = sum(cpu_seconds(w) for w in workers)
-            load = asyncio.run(run_load(base_url, args.concurrency, args.duration, args.max_tokens))
-            cpu1 = sum(cpu_seconds(pid) for pid in front_ends)
-            wcpu1 = sum(cpu_seconds(w) for w in workers)
-            after = scrape(base_url)
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
-            config.unlink(missing_ok=True)
-        tokens = after.get("gateway_generation_tokens_total", 0.0) - before.get("gateway_generation_tokens_total", 0.0)
-        per_rank = sorted(
-            after[k] - before.get(k, 0.0) for k in after if k.startswith("gateway_dp_rank_dispatched_requests_total/")
-        )
-        row = {
-            "layout": layout,
-            "requests": load["requests"],
-            "tokens": tokens,
-            "tokens_per_second": tokens / load["wall_seconds"],
-            "requests_per_second": load["requests"] / load["wall_seconds"],
-            "requests_per_rank": per_rank,
-            "balance_ratio": (per_rank[-1] / per_rank[0]) if per_rank and per_rank[0] else None,
-            "gateway_cpu_us_per_token": 1e6 * (cpu1 - cpu0) / tokens,
-            "gateway_cpu_utilisation": (cpu1 - cpu0) / load["wall_seconds"],
-            "worker_cpu_us_per_token": 1e6 * (wcpu1 - wcpu0) / tokens if workers else None,
-        }
-        rows.append(row)
-        balance = f"{row['balance_ratio']:.3f}" if row["balance_ratio"] else "-"
-        worker_cpu = f"{row['worker_cpu_us_per_token']:.1f}" if row["worker_cpu_us_per_token"] else "-"
-        print(
-            f"{layout:>7}: {row['tokens_per_second']:8.0f} tok/s  {row['requests_per_second']:6.1f} req/s  "
-            f"balance {balance} {per_rank}  gateway {row['gateway_cpu_us_per_token']:.1f} us/tok "
-            f"({row['gateway_cpu_utilisation']:.2f} cores)  workers {worker_cpu} us/tok",
-            flush=True,
-        )
+    sources: list[Path | None] = [None] if args.against is None else [None, args.against.resolve()]
+    for round_number in range(args.rounds):
+        for layout in args.layouts.split(","):
+            order = sources if round_number % 2 == 0 else sources[::-1]
+            pair = {}
+            for source in order:
+                row = measure(layout, args, source)
+                row["round"] = round_number
+                rows.append(row)
+                pair[source] = row
+                balance = f"{row['balance_ratio']:.3f}" if row["balance_ratio"] else "-"
+                worker_cpu = f"{row['worker_cpu_us_per_token']:.1f}" if row["worker_cpu_us_per_token"] else "-"
+                print(
+                    f"{layout:>7} [{row['source']}]: {row['tokens_per_second']:8.0f} tok/s  "
+                    f"{row['requests_per_second']:6.1f} req/s  balance {balance} {row['requests_per_rank']}  gateway "
+                    f"{row['gateway_cpu_us_per_token']:.1f} us/tok ({row['gateway_cpu_utilisation']:.2f} cores)  "
+                    f"workers {worker_cpu} us/tok  dispatched {row['dispatched_in_six_scrapes']} of "
+                    f"{row['requests_sent']}",
+                    flush=True,
+                )
+            if args.against is not None:
+                this, other = pair[None], pair[args.against.resolve()]
+                ratio = this["gateway_cpu_us_per_token"] / other["gateway_cpu_us_per_token"]
+                print(f"{layout:>7}: gateway CPU per token, this tree / {args.against}: {ratio:.3f}", flush=True)
     choice_us = choice_cost_us_per_token(args.tokens_per_step)
     print(f"_Choice.consume (detokenize + stop strings): {choice_us:.2f} us per token")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
     args.out.write_text(json.dumps({"settings": settings, "layouts": rows, "choice_us_per_token": choice_us}, indent=2))
     print(f"wrote {args.out}")
 

@@ -15,7 +15,10 @@ model, so the engine runs far ahead of any client) and runs two probes on raw lo
 
 Usage: ``python bench/disconnects.py`` (all probes) or e.g. ``python bench/disconnects.py --clients 200 --close rst
 --skip-slow-readers``; ``--config-server '{"stall_timeout": 5}'`` adds ``server`` settings to the config,
-``--config-backend '{"data_parallel_size": 2}'`` backend settings (rank workers).
+``--config-backend '{...}'`` backend settings. ``--layouts inproc,2,2x2`` runs the probes once per layout: the
+engine in process, 2 rank workers, 2 rank workers shared by 2 front-end processes (``server.workers``); with rank
+workers the tokens are the ranks' own counts, the same whichever front end a scrape reaches (issue 23's table:
+``--layouts 2,2x2 --clients 200 --close fin --skip-slow-readers``).
 """
 
 from __future__ import annotations
@@ -60,10 +63,17 @@ def scrape(base_url: str) -> dict[str, float]:
                 "gateway_engine_output_tokens_total",
                 "gateway_engine_requests",
                 "gateway_requests_in_flight",
+                "gateway_dp_rank_requests",
             ):
                 continue
             out[name] = out.get(name, 0.0) + sample.value
     return out
+
+
+def idle(metrics: dict[str, float]) -> bool:
+    """No request left: in this front end, in any front end's streams, or on any rank (what the ranks report)."""
+    keys = ("gateway_engine_requests", "gateway_requests_in_flight", "gateway_dp_rank_requests")
+    return all(metrics.get(key, 0) == 0 for key in keys)
 
 
 def request_bytes(body: dict[str, Any]) -> bytes:
@@ -124,10 +134,11 @@ async def disconnect_round(base_url: str, clients: int, rst: bool, max_tokens: i
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         now = await asyncio.to_thread(scrape, base_url)
-        if now.get("gateway_engine_requests", 0) == 0 and now.get("gateway_requests_in_flight", 0) == 0:
+        if idle(now):
             break
         await asyncio.sleep(0.2)
     idle_after = time.monotonic() - started
+    await asyncio.sleep(1.5)  # every rank reports its counters to every front end at least once a second
     after = await asyncio.to_thread(scrape, base_url)
     read = sum(f for f in frames if isinstance(f, int))
     generated = after["gateway_engine_output_tokens_total"] - before["gateway_engine_output_tokens_total"]
@@ -186,7 +197,7 @@ async def slow_readers(base_url: str, pid: int, clients: int, hold: float) -> di
     reset_at = time.monotonic()
     while time.monotonic() - reset_at < 120:
         now = scrape(base_url)
-        if now.get("gateway_engine_requests", 0) == 0 and now.get("gateway_requests_in_flight", 0) == 0:
+        if idle(now):
             break
         await asyncio.sleep(0.1)
     back_to_zero = time.monotonic() - reset_at
@@ -207,6 +218,15 @@ async def slow_readers(base_url: str, pid: int, clients: int, hold: float) -> di
     }
 
 
+def layout_settings(layout: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``inproc``, ``R`` (R rank workers) or ``RxF`` (R rank workers, F front ends): server and backend settings."""
+    ranks, _, front_ends = layout.partition("x")
+    server: dict[str, Any] = {"workers": int(front_ends or 1)}
+    if ranks == "inproc":
+        return server, {}
+    return server, {"data_parallel_size": int(ranks), "worker_processes": True}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, nargs="+", default=[200, 500])
@@ -216,38 +236,45 @@ def main() -> None:
     parser.add_argument("--hold", type=float, default=20.0, help="seconds the slow readers hang on")
     parser.add_argument("--skip-disconnects", action="store_true")
     parser.add_argument("--skip-slow-readers", action="store_true")
+    parser.add_argument("--layouts", default="inproc", help="inproc, R rank workers, RxF with F front ends")
     parser.add_argument("--config-server", type=json.loads, default={}, help="extra server settings (JSON)")
     parser.add_argument(
         "--config-backend",
         type=json.loads,
         default={},
-        help='extra backend settings (JSON), e.g. {"data_parallel_size": 2}',
+        help='extra backend settings (JSON), e.g. {"max_num_seqs": 512}',
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/disconnects.json"))
     args = parser.parse_args()
 
-    process, base_url, config = serve_gateway(
-        {
-            "server": {"access_log": False, **args.config_server},
-            "backends": [{"name": "reference", "kind": "reference", **args.config_backend}],
-            "models": [{"name": MODEL, "backends": ["reference"]}],
-        }
-    )
-    report: dict[str, Any] = {"disconnect": [], "slow_readers": None}
-    try:
-        if not args.skip_disconnects:
-            for clients in args.clients:
-                for close in args.close:
-                    row = asyncio.run(disconnect_round(base_url, clients, close == "rst", args.max_tokens))
-                    report["disconnect"].append(row)
-                    print(json.dumps(row), flush=True)
-        if not args.skip_slow_readers:
-            report["slow_readers"] = asyncio.run(slow_readers(base_url, process.pid, args.slow_readers, args.hold))
-            print(json.dumps(report["slow_readers"]), flush=True)
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        config.unlink(missing_ok=True)
+    report: dict[str, Any] = {"disconnect": [], "slow_readers": []}
+    for layout in args.layouts.split(","):
+        server, backend = layout_settings(layout)
+        process, base_url, config = serve_gateway(
+            {
+                "server": {"access_log": False, **server, **args.config_server},
+                "backends": [{"name": "reference", "kind": "reference", **backend, **args.config_backend}],
+                "models": [{"name": MODEL, "backends": ["reference"]}],
+            },
+            label=f"gateway ({layout})",
+        )
+        try:
+            if not args.skip_disconnects:
+                for clients in args.clients:
+                    for close in args.close:
+                        row = asyncio.run(disconnect_round(base_url, clients, close == "rst", args.max_tokens))
+                        row = {"layout": layout, **row}
+                        report["disconnect"].append(row)
+                        print(json.dumps(row), flush=True)
+            if not args.skip_slow_readers:
+                held = asyncio.run(slow_readers(base_url, process.pid, args.slow_readers, args.hold))
+                row = {"layout": layout, **held}
+                report["slow_readers"].append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+            config.unlink(missing_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
 

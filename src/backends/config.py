@@ -10,6 +10,23 @@ from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
 _ENDPOINT = r"^(tcp://[^:/]+:\d+|ipc:///.+)$"
 """A rank worker's ZeroMQ endpoint (``worker_endpoints``)."""
+_RANK_KEYS_HELP = (
+    "directory of the rank plane's CURVE key files (rank.key_secret, rank.key, gateway.key_secret, admitted *.key), "
+    "as a Kubernetes Secret mounts it; required for ranks reached or bound over TCP beyond the loopback "
+    "(`deepinfer-gateway rank-keys DIR` creates them; docs/data-parallel.md, Several hosts)"
+)
+
+
+def _check_rank_keys(endpoints: list[str], rank_keys: str | None) -> None:
+    """Ranks another host can reach take commands only from dispatchers holding a key (CURVE)."""
+    from backends.workers.keys import exposed
+
+    open_to_others = [e for e in endpoints if exposed(e)]
+    if open_to_others and rank_keys is None:
+        raise ValueError(
+            f"worker_endpoints {open_to_others} are reached over TCP beyond the loopback: set rank_keys (CURVE keys; "
+            "`deepinfer-gateway rank-keys DIR` creates them), or keep every rank on 127.0.0.1 or ipc://"
+        )
 
 
 class _Strict(BaseModel):
@@ -66,11 +83,13 @@ class ReferenceBackendConfig(_Preparation):
         description="ranks started elsewhere (deepinfer-gateway ranks), one tcp://host:port (or ipc:///path on "
         "this host) each",
     )
+    rank_keys: str | None = Field(None, description=_RANK_KEYS_HELP)
 
     @model_validator(mode="after")
     def _check_data_parallel(self) -> ReferenceBackendConfig:
         if self.worker_endpoints and len(self.worker_endpoints) != self.data_parallel_size:
             raise ValueError("worker_endpoints must list exactly data_parallel_size endpoints, one per rank")
+        _check_rank_keys(self.worker_endpoints, self.rank_keys)
         if self.worker_processes is False and (self.data_parallel_size > 1 or self.worker_endpoints):
             raise ValueError("data_parallel_size > 1 and worker_endpoints need worker processes")
         return self
@@ -140,6 +159,7 @@ class DeepInferBackendConfig(_Preparation):
         description="ranks started elsewhere (deepinfer-gateway ranks), one tcp://host:port (or ipc:///path on "
         "this host) per DP rank, in rank order; the gateway connects to them and never starts or stops them",
     )
+    rank_keys: str | None = Field(None, description=_RANK_KEYS_HELP)
 
     @property
     def uses_workers(self) -> bool:
@@ -150,6 +170,7 @@ class DeepInferBackendConfig(_Preparation):
     def _check_engine_arguments(self) -> DeepInferBackendConfig:
         if self.worker_endpoints and len(self.worker_endpoints) != self.data_parallel_size:
             raise ValueError("worker_endpoints must list exactly data_parallel_size endpoints, one per rank")
+        _check_rank_keys(self.worker_endpoints, self.rank_keys)
         cp, dp, ep = self.context_parallel_size, self.data_parallel_size, self.expert_parallel_size
         if (cp * dp) % ep:
             raise ValueError(

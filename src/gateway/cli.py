@@ -1,4 +1,5 @@
-"""The ``deepinfer-gateway`` command: ``serve``, ``ranks`` (a node's rank workers), ``bench`` and ``config check``."""
+"""The ``deepinfer-gateway`` command: ``serve``, ``ranks`` (a node's rank workers), ``rank-keys`` (their CURVE keys),
+``bench`` and ``config check``."""
 
 from __future__ import annotations
 
@@ -49,7 +50,13 @@ def ranks(
     config: ConfigOption = None,
     nodes: Annotated[int, typer.Option(help="Nodes the backend's ranks are shared by, equally.")] = 1,
     node: Annotated[int, typer.Option(help="This node's index, 0..nodes-1 (node 0 runs rank 0).")] = 0,
-    host: Annotated[str, typer.Option(help="Address the ranks bind (each at its worker_endpoints port).")] = "0.0.0.0",
+    host: Annotated[
+        str,
+        typer.Option(
+            help="Address the ranks bind (each at its worker_endpoints port). Beyond the loopback (another host's "
+            "gateway, 0.0.0.0, a pod IP) the backend needs rank_keys: the ranks admit only dispatchers with a key."
+        ),
+    ] = "127.0.0.1",
     master_addr: Annotated[
         str | None, typer.Option(help="Host of DeepInfer's rendezvous, rank 0's node (overrides master_addr).")
     ] = None,
@@ -61,6 +68,7 @@ def ranks(
     group stopped together."""
     from backends.config import DeepInferBackendConfig, ReferenceBackendConfig
     from backends.registry import node_worker_plan
+    from backends.workers.keys import keys_for
     from backends.workers.node import NodeShare, RankNode, bind_address
     from gateway.logs import configure_logging
 
@@ -80,10 +88,33 @@ def ranks(
         share = NodeShare(len(endpoints), nodes, node)
         plan = node_worker_plan(chosen, share.ranks, master_addr)
         bound = [bind_address(endpoints[rank], host) for rank in share.ranks]
+        for address in bound:
+            keys = keys_for(address, chosen.rank_keys)
+            if keys is not None:
+                keys.rank_public()  # the key files are there and readable, before any rank starts
     except ValueError as exc:
         typer.echo(f"ranks: {exc}", err=True)
         raise typer.Exit(2) from exc
     raise typer.Exit(RankNode(backend, plan, share.ranks, bound).run())
+
+
+@app.command("rank-keys")
+def rank_keys(
+    directory: Annotated[Path, typer.Argument(help="Where to write the key files (created if missing).")],
+) -> None:
+    """Create the rank plane's CURVE keys: the ranks' and the gateway's key pairs, for a backend's rank_keys.
+
+    Make a Kubernetes Secret of the directory (kubectl create secret generic NAME --from-file=DIR) and mount it
+    where rank_keys points, on the gateway and on every rank node. Existing key files are never overwritten."""
+    from backends.workers.keys import RankKeysError, create_keys
+
+    try:
+        written = create_keys(directory)
+    except (RankKeysError, OSError) as exc:
+        typer.echo(f"rank-keys: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    for path in written:
+        typer.echo(str(path))
 
 
 REDACTED = "<redacted>"

@@ -101,6 +101,69 @@ class _Expiry:
             raise self._deadline.expired() from None
 
 
+class _WaitDeadline:
+    """The request's deadline over a stream's waits for the backend, frame after frame: one timer for the whole
+    stream, re-armed lazily (a wait only records its end), that cancels the task only while it waits for the
+    backend, never during a send to the client (that is the stall timeout's). A timer firing during a wait finds
+    the task suspended in it, so the cancellation lands there; an ``asyncio.timeout`` per wait cost a timer, a
+    cancellation and a scope per frame."""
+
+    __slots__ = ("_cancelling", "_deadline", "_expired", "_handle", "_task", "_waiting")
+
+    def __init__(self, deadline: _Deadline) -> None:
+        self._deadline = deadline
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._handle: asyncio.TimerHandle | None = None
+        self._waiting = False
+        self._expired = False
+        self._cancelling = 0
+
+    def _arm(self) -> None:
+        at = self._deadline.next()
+        self._handle = None if at is None else self._deadline.loop.call_at(at, self._check)
+
+    def _check(self) -> None:
+        self._handle = None
+        if not self._waiting:
+            return  # the next wait arms it again
+        at = self._deadline.next()
+        if at is not None and at > self._deadline.loop.time():
+            self._arm()
+            return
+        self._expired = True
+        self._cancelling = self._task.cancelling()
+        self._task.cancel()
+
+    async def wait(self, wait: Callable[[], Awaitable[Event]]) -> Event:
+        """``wait()``, bounded by the deadline (``BackendTimeoutError``, as ``_within``)."""
+        deadline = self._deadline
+        at = deadline.next()
+        if at is not None and at <= deadline.loop.time():
+            raise deadline.expired()  # it passed while the frames before were being sent
+        if self._handle is None and at is not None:
+            self._handle = deadline.loop.call_at(at, self._check)
+        self._waiting = True
+        try:
+            event = await wait()
+        except asyncio.CancelledError:
+            if self._expired:
+                self._expired = False
+                if self._task.uncancel() <= self._cancelling:
+                    raise deadline.expired() from None
+            raise
+        finally:
+            self._waiting = False
+        deadline.last = deadline.loop.time()
+        return event
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 async def _next_event(events: AsyncIterator[Event], deadline: _Deadline | None) -> Event:
     """The next event, or ``BackendTimeoutError`` once the deadline passes (the backend's work is aborted,
     since the timeout cancels the iterator's pending await and its cleanup runs). The timeout only ever spans
@@ -222,6 +285,7 @@ async def stream_response(
             return fmt.frame(event)
 
         reader = BurstReader(events)
+        waits = _WaitDeadline(deadline) if deadline is not None else None
         burst: list[bytes] = []
         try:
             for event in head:  # the first token goes out at once
@@ -238,7 +302,7 @@ async def stream_response(
                         if burst:
                             yield b"".join(burst)
                             burst.clear()
-                        event = await _within(deadline, reader.wait)
+                        event = await (reader.wait() if waits is None else waits.wait(reader.wait))
                 except StopAsyncIteration:
                     outcome.status = 200
                     break
@@ -258,6 +322,8 @@ async def stream_response(
             error = APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error", code="internal_error")
             burst.append(fmt.error_frame(public_error(error, request)))
         finally:
+            if waits is not None:
+                waits.close()
             # A cancelled stream still aborts its backend work: the cancellation was spent at the pending await.
             await reader.aclose()
         if outcome.status == 200:

@@ -17,10 +17,12 @@ import kubernetes_validate
 import pytest
 import typer
 import yaml
+import zmq
 
 from backends.config import DeepInferBackendConfig
 from backends.deepinfer.ranks import node_worker_plan
 from backends.workers.driver import STOP_TIMEOUT_SECONDS, WorkerPlan
+from backends.workers.keys import GATEWAY_KEY, PUBLIC_SUFFIX, RANK_KEY, SECRET_SUFFIX, RankKeys, create_keys, keys_for
 from backends.workers.node import NodeShare, bind_address
 from gateway.cli import app
 from gateway.config import load_config
@@ -111,6 +113,10 @@ def backend() -> DeepInferBackendConfig:
     return configured
 
 
+POD_IP = "10.8.3.17"
+"""The address the downward API gives a container as ``status.podIP`` (any pod address would do)."""
+
+
 def lws_environment(worker_index: int) -> dict[str, str]:
     """What the LWS controller sets in pod ``worker_index`` of group 0 (0: the leader)."""
     lws = multinode("LeaderWorkerSet")
@@ -120,6 +126,17 @@ def lws_environment(worker_index: int) -> dict[str, str]:
         "LWS_GROUP_SIZE": str(lws["spec"]["leaderWorkerTemplate"]["size"]),
         "LWS_WORKER_INDEX": str(worker_index),
     }
+
+
+def container_environment(of: dict[str, Any], worker_index: int) -> dict[str, str]:
+    """The LWS variables plus the container's own, the downward API's pod address resolved."""
+    environment = lws_environment(worker_index)
+    for variable in of.get("env", []):
+        if "value" in variable:
+            environment[variable["name"]] = variable["value"]
+        elif variable["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP":
+            environment[variable["name"]] = POD_IP
+    return environment
 
 
 def expand(argv: list[str], environment: dict[str, str]) -> list[str]:
@@ -184,8 +201,9 @@ def test_each_pod_runs_its_share_of_the_ranks_on_the_ports_and_gpus_it_declares(
     name = lws["metadata"]["name"]
     role = "leader" if worker_index == 0 else "worker"
     ranks = container(role, "ranks")
-    assert set(re.findall(r"\$\((\w+)\)", " ".join(ranks["command"]))) <= LWS_ENVIRONMENT
-    environment = lws_environment(worker_index)
+    own = {variable["name"] for variable in ranks.get("env", [])}
+    assert set(re.findall(r"\$\((\w+)\)", " ".join(ranks["command"]))) <= LWS_ENVIRONMENT | own
+    environment = container_environment(ranks, worker_index)
     command, options = parse(expand(ranks["command"], environment))
     assert command == "ranks"
     config_mount = next(m for m in ranks["volumeMounts"] if options["config"].parent == Path(m["mountPath"]))
@@ -203,6 +221,11 @@ def test_each_pod_runs_its_share_of_the_ranks_on_the_ports_and_gpus_it_declares(
     )
     declared = {port for key, port in ports(ranks).items() if key.startswith("rank-")}
     assert {int(address.rsplit(":", 1)[1]) for address in bound} == declared
+    # The leader's ranks listen on the loopback (its gateway is beside them); the worker's on the pod's address, which
+    # the ranks accept only with rank_keys (the check the CLI makes before it starts them).
+    assert options["host"] == ("127.0.0.1" if worker_index == 0 else POD_IP)
+    for address in bound:
+        keys_for(address, configured.rank_keys)
     # Devices: the pod's GPUs, split between its ranks; every rank meets at the leader's rendezvous.
     gpus = int(ranks["resources"]["limits"]["nvidia.com/gpu"])
     plan = node_worker_plan(configured, share.ranks, {}, options["master_addr"])
@@ -255,3 +278,94 @@ def test_ranks_outlive_the_gateway_drain_and_the_pod_outlives_both(role: str) ->
     shm = next(m for m in container(role, "ranks")["volumeMounts"] if m["mountPath"] == "/dev/shm")
     assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
     assert multinode("LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+
+
+def rank_ports() -> set[int]:
+    return {int(endpoint.rsplit(":", 1)[1]) for endpoint in backend().worker_endpoints}
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels and In expressions) selects pods with ``labels``."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In", expression
+        if labels.get(expression["key"]) not in expression["values"]:
+            return False
+    return True
+
+
+def test_only_the_gateway_reaches_the_rank_ports_and_only_the_group_the_rest() -> None:
+    """The NetworkPolicy, tied to the config: the rank ports it names are the worker_endpoints' ports, only the
+    leader pods (the gateway) may reach them, every other port of the group's pods only from the group (DeepInfer's
+    rendezvous among them), and the API port from anywhere."""
+    policy = multinode("NetworkPolicy")["spec"]
+    lws = multinode("LeaderWorkerSet")
+    leader = pod_template(lws, "leader")["metadata"]["labels"]
+    worker = pod_template(lws, "worker")["metadata"]["labels"]
+    assert selects(policy["podSelector"], leader) and selects(policy["podSelector"], worker)
+    assert policy["policyTypes"] == ["Ingress"]
+    by_ports: dict[frozenset[tuple[int, int]], list[dict[str, Any]]] = {}
+    for rule in policy["ingress"]:
+        spans = frozenset((p["port"], p.get("endPort", p["port"])) for p in rule["ports"])
+        assert all(p["protocol"] == "TCP" for p in rule["ports"])
+        by_ports[spans] = rule.get("from", [])
+
+    def reaching(port: int) -> list[list[dict[str, Any]]]:
+        return [sources for spans, sources in by_ports.items() if any(low <= port <= high for low, high in spans)]
+
+    for port in rank_ports() | {p for k, p in ports(container("worker", "ranks")).items() if k.startswith("rank-")}:
+        (sources,) = reaching(port)  # one rule opens a rank port
+        assert sources and all(selects(s["podSelector"], leader) for s in sources), "only the gateway's pods"
+        assert not any(selects(s["podSelector"], worker) for s in sources), "not another rank's pod"
+    rendezvous = backend().master_port - 50
+    assert ports(container("leader", "ranks"))["rendezvous"] == rendezvous
+    for port in (rendezvous, 1, 32768, 65535):  # the rendezvous, gloo's and NCCL's own ports
+        (sources,) = reaching(port)
+        assert all(selects(s["podSelector"], leader) or selects(s["podSelector"], worker) for s in sources)
+        assert any(selects(s["podSelector"], worker) for s in sources)
+    served = load_config(CONFIG).server.port
+    assert ports(container("leader", "gateway"))["http"] == served
+    assert [] in reaching(served), "the API is open to every client, as the Service exposes it"
+    covered = {port for spans in by_ports for low, high in spans for port in range(low, high + 1)}
+    assert covered == set(range(1, 65536)), "no port of the group is left closed to its own ranks"
+
+
+def test_each_container_mounts_the_rank_keys_it_needs_where_rank_keys_points(tmp_path: Path) -> None:
+    """The Secret's files as each container sees them (its volume's items, at its mount path), loaded by the real
+    key code: the ranks can serve CURVE and admit the gateway, the gateway can present its key and check theirs."""
+    configured = backend()
+    assert configured.rank_keys is not None
+    lws = multinode("LeaderWorkerSet")
+    source = tmp_path / "secret"
+    create_keys(source)  # what `deepinfer-gateway rank-keys` writes, and `kubectl create secret --from-file` takes
+    secrets: set[str] = set()
+    for role, name in (("leader", "gateway"), ("leader", "ranks"), ("worker", "ranks")):
+        volumes = {v["name"]: v for v in pod_template(lws, role)["spec"]["volumes"]}
+        (mount,) = [m for m in container(role, name)["volumeMounts"] if m["mountPath"] == configured.rank_keys]
+        assert mount.get("readOnly") is True
+        secret = volumes[mount["name"]]["secret"]
+        secrets.add(secret["secretName"])
+        assert secret["defaultMode"] & 0o007 == 0, "key files are not world-readable"
+        assert pod_template(lws, role)["spec"]["securityContext"]["fsGroup"], "group-readable by the image's user"
+        seen = tmp_path / f"{role}-{name}"
+        seen.mkdir()
+        for item in secret["items"]:
+            (seen / item["path"]).write_bytes((source / item["key"]).read_bytes())
+        keys = RankKeys(seen)
+        if name == "ranks":
+            assert not (seen / f"{GATEWAY_KEY}{SECRET_SUFFIX}").exists(), "the ranks never hold the gateway's secret"
+            server = zmq.Context()
+            try:
+                authenticator = keys.serve(server.socket(zmq.ROUTER), server)
+                authenticator.stop()
+            finally:
+                server.destroy(linger=0)
+            admitted = {path.name for path in seen.glob(f"*{PUBLIC_SUFFIX}")}
+            assert f"{GATEWAY_KEY}{PUBLIC_SUFFIX}" in admitted
+        else:
+            assert not (seen / f"{RANK_KEY}{SECRET_SUFFIX}").exists(), "the gateway never holds the ranks' secret"
+            public, _ = keys.client_pair()
+            assert public == (source / f"{GATEWAY_KEY}{PUBLIC_SUFFIX}").read_bytes().split(b'"')[1]
+            assert keys.rank_public() == (source / f"{RANK_KEY}{PUBLIC_SUFFIX}").read_bytes().split(b'"')[1]
+    assert secrets == {"deepinfer-dp-rank-keys"}

@@ -53,6 +53,22 @@ def test_hanging_upstream_gets_a_504_and_its_request_is_cancelled(fronted: Runni
     assert wait_until(lambda: node.events(event="cancel", tag="hang"), timeout=15)
 
 
+def test_an_upstream_quiet_mid_stream_past_the_idle_timeout_ends_the_stream_with_a_timeout_frame(
+    fronted: RunningGateway, node: HarnessNode
+) -> None:
+    """After its first tokens the upstream says nothing for a minute: one second (idle_timeout) later the stream
+    ends with a timeout error frame and [DONE], and the upstream request is cancelled."""
+    body = _chat("one two three [[stub pause=60 pause_after=1 tag=quiet-mid]]", stream=True)
+    with httpx.stream("POST", f"{fronted.base_url}/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert orjson.loads(data[0])["choices"], "tokens flowed before the upstream went quiet"
+    error = orjson.loads(data[-2])["error"]
+    assert error["code"] == "timeout"
+    assert wait_until(lambda: node.events(event="cancel", tag="quiet-mid"), timeout=15)
+
+
 def test_upstream_killed_mid_stream_ends_the_stream_with_an_error_frame_and_the_gateway_stays_up(
     fronted: RunningGateway, node: HarnessNode
 ) -> None:

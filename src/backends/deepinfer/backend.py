@@ -51,6 +51,7 @@ def deepinfer_worker_plan(config: DeepInferBackendConfig, environ: Mapping[str, 
         lockstep=config.data_parallel_size > 1,
         remote_endpoints=remote,
         rank_env=None if remote else RankEnvironment(options),
+        keys=config.rank_keys,
     )
 
 

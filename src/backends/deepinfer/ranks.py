@@ -142,6 +142,7 @@ def node_worker_plan(
         options=options,
         lockstep=config.data_parallel_size > 1,
         rank_env=NodeRankEnvironment(config, ranks.start, devices[:needed], port),
+        keys=config.rank_keys,
     )
 
 

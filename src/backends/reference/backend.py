@@ -62,6 +62,7 @@ def reference_worker_plan(config: ReferenceBackendConfig) -> WorkerPlan:
         lockstep=config.lockstep,
         transport=config.worker_transport,
         remote_endpoints=list(config.worker_endpoints),
+        keys=config.rank_keys,
     )
 
 

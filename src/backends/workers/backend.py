@@ -3,13 +3,15 @@
 It is ``EngineBackend`` (prompt encoding, ``max_tokens``, per-choice detokenizing, stop strings, logprobs on the
 event loop) with its driver swapped for a ``DataParallelDriver``: the request path is the same code whether the
 engine runs in process or in N workers. What it adds: readiness that reports degraded states (``3/4 ranks up``)
-and per-rank metric families (label ``rank``).
+and per-rank metric families (label ``rank``), whose numbers are the ranks' own (what each rank reports of itself,
+for every dispatcher), so every front end in front of the same ranks shows the same figures.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -23,6 +25,17 @@ from backends.workers.driver import DataParallelDriver, WorkerPlan
 _KV_SAMPLE = "engine_kv_cache_usage_ratio"
 _DRAFT_TOKENS = "engine_spec_decode_draft_tokens"
 _ACCEPTED_TOKENS = "engine_spec_decode_accepted_tokens"
+
+
+class RankReport(NamedTuple):
+    """One rank as this front end sees it, for readiness aggregations and operators (``DataParallelBackend.ranks``)."""
+
+    rank: int
+    state: Literal["down", "starting", "up"]
+    reason: str  # why it does not serve ('' when up): the engine's error, its restarts, its backoff
+    restarts: int  # as its launcher counts them
+    backoff_seconds: float  # until it is started again (0 while up or building)
+    pid: int | None
 
 
 def _no_local_engine() -> Engine:
@@ -49,10 +62,35 @@ class DataParallelBackend(EngineBackend):
 
     def readiness(self) -> tuple[bool, str]:
         ready, reason = super().readiness()
-        return (True, self.driver.describe()) if ready else (ready, reason)
+        if ready:
+            return True, self.driver.describe()
+        if reason == "starting" and self.driver.ranks:
+            return False, f"starting: {self.driver.describe()}"
+        return ready, reason
+
+    def ranks(self) -> list[RankReport]:
+        """Every rank's state, restarts and backoff: what ``readiness()`` says in words."""
+        now = time.monotonic()
+        return [
+            RankReport(
+                r.index,
+                r.state,
+                "" if r.state == "up" else r.explain(now),
+                r.restarts,
+                r.backoff(now),
+                r.pid,
+            )
+            for r in self.driver.ranks
+        ]
+
+    def max_model_len(self) -> int | None:
+        """The ranks' context window, once one of them has reported it."""
+        engine = self.driver.engine
+        return engine.max_model_len or None if engine is not None else None
 
     def metric_families(self) -> list[Metric]:
-        """Per-rank statistics (labels: backend, rank), read at scrape time from what the workers last reported."""
+        """Per-rank statistics (labels: backend, rank), read at scrape time from what the ranks last reported of
+        themselves; a rank that is down has only ``up`` and ``restarts`` until it reports again."""
         labels = ["backend", "rank"]
         up = GaugeMetricFamily("gateway_dp_rank_up", "1 while the data-parallel rank serves.", labels=labels)
         in_flight = GaugeMetricFamily("gateway_dp_rank_requests", "Requests the rank holds.", labels=labels)
@@ -80,20 +118,30 @@ class DataParallelBackend(EngineBackend):
             labels=labels,
         )
         restarts = CounterMetricFamily("gateway_dp_rank_restarts", "Times the rank was restarted.", labels=labels)
+        backoff = GaugeMetricFamily(
+            "gateway_dp_rank_backoff_seconds",
+            "Seconds until the rank is started again after a failure (0 while it serves or builds its engine).",
+            labels=labels,
+        )
+        starting = GaugeMetricFamily(
+            "gateway_dp_rank_starting", "1 while the rank waits out its backoff or builds its engine.", labels=labels
+        )
         engine_families: dict[str, Metric] = {}
+        now = time.monotonic()
         for rank in self.driver.ranks:
             key = [self.name, str(rank.index)]
-            totals = rank.totals()
             up.add_metric(key, 1.0 if rank.state == "up" else 0.0)
-            in_flight.add_metric(key, rank.outstanding)
-            queued.add_metric(key, rank.queued_tokens)
-            dispatched.add_metric(key, rank.dispatched)
-            steps.add_metric(key, totals.steps)
-            tokens.add_metric(key, totals.tokens)
+            starting.add_metric(key, 1.0 if rank.state == "starting" else 0.0)
             restarts.add_metric(key, rank.restarts)
+            backoff.add_metric(key, rank.backoff(now))
             stats = rank.stats
             if stats is None:
                 continue
+            in_flight.add_metric(key, stats.requests)
+            queued.add_metric(key, stats.queued_prompt_tokens)
+            dispatched.add_metric(key, stats.dispatched)
+            steps.add_metric(key, stats.steps)
+            tokens.add_metric(key, stats.tokens)
             rate.add_metric(key, stats.steps_per_second)
             samples: dict[str, Sequence[Any]] = {s[0]: s for s in rank.samples}
             kv_sample = samples.get(_KV_SAMPLE)
@@ -111,6 +159,8 @@ class DataParallelBackend(EngineBackend):
                 family.add_metric(key, value)
         return [
             up,
+            starting,
+            backoff,
             in_flight,
             queued,
             dispatched,

@@ -6,10 +6,15 @@ The same rate prices a prefix-cache hit: a rank whose engine probably holds the 
 (it was sent the same prefix before) gets ``k / prefill_tokens_per_request`` off its load. So a long shared prefix
 (a system prompt, a long conversation) keeps going to the same rank unless that rank is busier than the hit is
 worth, and a short one never outweighs real imbalance. Ranks equally loaded are taken in turn.
+
+Prefixes are hashed the same way in every process (BLAKE2b, chained block by block), so that several dispatchers
+(front ends) share what they know: each rank passes the prefix hashes of the prompts it gets on to its other
+dispatchers (``learn``), and a prefix goes to the same rank whichever front end it reaches.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -48,7 +53,11 @@ class RankBalancer:
 
     def choose(self, prompt: np.ndarray, loads: Sequence[float], up: Sequence[bool]) -> int:
         """The rank for a request with ``prompt``; records the prompt's prefix blocks against it."""
-        hashes = self._prefix_hashes(prompt)
+        return self.choose_for(self.prefix_hashes(prompt), loads, up)
+
+    def choose_for(self, prefix: np.ndarray, loads: Sequence[float], up: Sequence[bool]) -> int:
+        """``choose`` for a prompt whose ``prefix_hashes`` are ``prefix``."""
+        hashes = prefix.tolist()
         hit_rank, hit_tokens = self._longest_hit(hashes)
         best = -1
         best_cost = 0.0
@@ -69,25 +78,35 @@ class RankBalancer:
         self._remember(hashes, best)
         return best
 
+    def learn(self, rank: int, prefix: bytes) -> None:
+        """Another dispatcher sent a prompt with these ``prefix_hashes`` (as bytes) to ``rank``."""
+        self._remember(np.frombuffer(prefix, dtype="<u8").tolist(), rank)
+
+    def holder(self, prompt: np.ndarray) -> tuple[int, int]:
+        """The rank known to hold the longest prefix of ``prompt``, and that prefix's length in tokens (-1, 0:
+        none)."""
+        return self._longest_hit(self.prefix_hashes(prompt).tolist())
+
     def forget(self, rank: int) -> None:
         """A restarted rank's engine starts with an empty cache: stop sending prefixes there for it."""
         stale = [h for h, r in self._table.items() if r == rank]
         for h in stale:
             del self._table[h]
 
-    def _prefix_hashes(self, prompt: np.ndarray) -> list[int]:
+    def prefix_hashes(self, prompt: np.ndarray) -> np.ndarray:
+        """One 64-bit hash per whole block of the prompt (the first ``AFFINITY_MAX_BLOCKS``), each covering the
+        blocks before it too; the same in every process."""
         block = self.block_tokens
         blocks = min(len(prompt) // block, AFFINITY_MAX_BLOCKS)
-        if not blocks:
-            return []
-        data = prompt[: blocks * block].tobytes()
-        width = block * prompt.itemsize
-        hashes = []
-        h = 0
-        for i in range(blocks):
-            h = hash((h, data[i * width : (i + 1) * width]))
-            hashes.append(h)
-        return hashes
+        data = np.ascontiguousarray(prompt[: blocks * block], dtype=np.int32).tobytes()
+        width = block * 4
+        blake2b = hashlib.blake2b
+        digests = []
+        digest = b""
+        for start in range(0, len(data), width):  # each block's hash is keyed with the one before: a chain
+            digest = blake2b(data[start : start + width], digest_size=8, key=digest).digest()
+            digests.append(digest)
+        return np.frombuffer(b"".join(digests), dtype="<u8")
 
     def _longest_hit(self, hashes: list[int]) -> tuple[int, int]:
         table = self._table

@@ -41,8 +41,12 @@ from backends.engine.protocol import EngineOutput
 from backends.errors import BackendError, InvalidRequestError, OverloadedError, UnavailableError, UpstreamError
 from backends.workers import messages as m
 from backends.workers.balancer import RankBalancer
+from backends.workers.keys import keys_for
+from backends.workers.startup import LaunchStatus, read_failure
 from backends.workers.supervisor import Clock, RankSupervisor, RestartPolicy
 from backends.workers.worker import DISPATCHER_LEASE_SECONDS, WorkerSpec
+
+FIRST_LAUNCH = LaunchStatus(1, "", 0.0)
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +85,15 @@ class WorkerPlan:
     """A rank silent this long is declared dead (workers report at least every second, and after each step)."""
     lease_seconds: float = DISPATCHER_LEASE_SECONDS
     """Local ranks: a dispatcher silent this long loses its requests on the rank (it pings every second)."""
+    keys: str | None = None
+    """``rank_keys``: the directory of CURVE key files the rank plane uses over TCP (``backends/workers/keys.py``)."""
 
-    def spawn(self, index: int, endpoint: str, collective: str | None) -> subprocess.Popen[bytes]:
-        """Starts rank ``index``'s worker process on ``endpoint`` (raises ``OSError`` when it cannot be spawned)."""
+    def spawn(
+        self, index: int, endpoint: str, collective: str | None, status: LaunchStatus = FIRST_LAUNCH
+    ) -> RankProcess:
+        """Starts rank ``index``'s worker process on ``endpoint``, as launch ``status.launch`` (it waits
+        ``status.delay`` before building its engine); raises ``OSError`` when it cannot be spawned."""
+        read, write = os.pipe()
         spec = WorkerSpec(
             index,
             self.size,
@@ -94,13 +104,45 @@ class WorkerPlan:
             collective,
             os.getpid(),
             self.lease_seconds,
+            status.launch,
+            status.after,
+            status.delay,
+            write,
+            self.keys,
         )
         env = dict(os.environ)
         if self.rank_env is not None:
             env.update(self.rank_env(index))
-        return subprocess.Popen(
-            [sys.executable, "-m", "backends.workers.worker", spec.to_json()], stdin=subprocess.DEVNULL, env=env
-        )
+        try:
+            return RankProcess(
+                [sys.executable, "-m", "backends.workers.worker", spec.to_json()],
+                read,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                pass_fds=(write,),
+            )
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+
+
+class RankProcess(subprocess.Popen[bytes]):
+    """A rank worker process we started, with the pipe on which it says why its engine failed."""
+
+    def __init__(self, args: list[str], failure_fd: int, **options: Any) -> None:
+        super().__init__(args, **options)
+        self._failure_fd: int | None = failure_fd
+
+    def end_reason(self) -> str:
+        """Why it ended, once it has exited: the engine's failure as it wrote it, else its exit status."""
+        code = self.wait()
+        written = ""
+        if self._failure_fd is not None:
+            written = read_failure(self._failure_fd)
+            self._failure_fd = None
+        return f"engine failed: {written}" if written else f"worker exited with {describe_exit(code)}"
 
 
 class _Entry:
@@ -123,7 +165,7 @@ class RankState:
         self.endpoint = endpoint
         self.remote = remote
         self.state: Literal["down", "starting", "up"] = "down"
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: RankProcess | None = None
         self.exited: asyncio.Future[int] | None = None
         self.socket: zmq.Socket | None = None
         self.pid: int | None = None
@@ -136,13 +178,41 @@ class RankState:
         self.hello_again = HELLO_AGAIN_SECONDS  # a starting remote rank not answering is greeted again after this
         self.adds: list[list[Any]] = []
         self.aborts: list[str] = []
-        self.stats: m.RankStats | None = None
+        self.taken = 0  # ``seq`` of the last STEP message taken: its outputs handed on, the tasks they woke run
+        self.credited = 0  # the ``taken`` the rank was last told
+        self.stats: m.RankStats | None = None  # the rank's own counters (this incarnation's), as last reported
         self.samples: Sequence[Sequence[Any]] = ()  # the engine's own metric_samples(), as last reported
-        self.base = DriverStats()  # totals of earlier incarnations, so counters never go back
-        self.dispatched = 0
-        self.launches = 0
+        self.dispatched = 0  # requests this dispatcher sent it (the rank's own count, of everyone's: ``stats``)
+        self.launches = 0  # launches (local ranks) or connections (remote ones) by this dispatcher
+        self.launch = 0  # the incarnation's own number, as it reported it (READY, STARTING); 0: not heard yet
+        self.after = ""  # why its previous incarnation ended, as it reported it
         self.reason = "not started"
+        self.retry_at: float | None = None  # down: when it is started (or, remote, connected) again
+        self.settled = False  # up once, or failed once: the backend's start waits for no more
+        self.builds_at: float | None = None  # starting: when it said it would build its engine (after its backoff)
         self.last_heard = 0.0
+
+    def explain(self, now: float) -> str:
+        """Why the rank does not serve, with its restarts and backoff: for ``/ready`` and the log."""
+        if self.state == "down" and self.retry_at is not None:
+            text = f"{self.reason}; restarting in {max(0.0, self.retry_at - now):.1f} s"
+        elif self.state == "starting" and self.launch:
+            text = f"starting, launch {self.launch}"
+            if self.builds_at is not None and self.builds_at > now:
+                text += f", building its engine in {self.builds_at - now:.1f} s"
+            if self.after:
+                text += f" (after: {self.after})"
+        else:
+            text = self.reason
+        return f"{text}; {self.restarts} restarts" if self.restarts else text
+
+    def backoff(self, now: float) -> float:
+        """Seconds until the rank is started again (0 when it is up or starting now)."""
+        if self.state == "down" and self.retry_at is not None:
+            return max(0.0, self.retry_at - now)
+        if self.state == "starting" and self.builds_at is not None:
+            return max(0.0, self.builds_at - now)
+        return 0.0
 
     def report(self, stats: m.RankStats) -> None:
         self.stats = stats
@@ -154,33 +224,55 @@ class RankState:
         return len(self.requests)
 
     @property
+    def has_commands(self) -> bool:
+        """Adds, aborts or a credit wait to be sent (held back by a full queue, or not flushed yet)."""
+        return bool(self.adds or self.aborts) or self.taken != self.credited
+
+    @property
     def restarts(self) -> int:
-        return max(0, self.launches - 1)
+        """As the rank's launcher counts them: the incarnation number a remote rank reports, our launches of a local
+        one (which tell it its number)."""
+        return max(0, (self.launch if self.remote else self.launches) - 1)
 
     def totals(self) -> DriverStats:
+        """The rank's counters since it started, as it reported them (the same for every dispatcher)."""
         s = self.stats
-        b = self.base
         if s is None:
-            return DriverStats(b.steps, b.tokens, b.busy_seconds, b.engine_seconds)
-        return DriverStats(
-            b.steps + s.steps, b.tokens + s.tokens, b.busy_seconds + s.busy_seconds, b.engine_seconds + s.engine_seconds
-        )
+            return DriverStats()
+        return DriverStats(s.steps, s.tokens, s.busy_seconds, s.engine_seconds)
 
-    def fold(self) -> None:
-        self.base = self.totals()
+    def forget_stats(self) -> None:
+        """The rank is down: its counters and gauges are gone with it (a new incarnation counts from 0)."""
         self.stats = None
         self.samples = ()
 
 
 class RankedEngineView:
-    """What ``EngineBackend`` reads from ``driver.engine``: the tokenizer (loaded here) and the ranks' limits."""
+    """What ``EngineBackend`` reads from ``driver.engine``: the tokenizer (loaded here) and the ranks' limits, as the
+    first rank that came up reported them (until one has, the tokenizer's vocabulary and no context)."""
 
-    def __init__(self, tokenizer: Tokenizer, info: m.EngineInfo, driver: DataParallelDriver) -> None:
+    def __init__(self, tokenizer: Tokenizer, driver: DataParallelDriver) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = info.max_model_len
-        self.vocab_size = info.vocab_size
-        self.fingerprint = info.fingerprint
         self._driver = driver
+
+    @property
+    def info(self) -> m.EngineInfo | None:
+        return next((r.info for r in self._driver.ranks if r.info is not None), None)
+
+    @property
+    def max_model_len(self) -> int:
+        info = self.info
+        return info.max_model_len if info is not None else 0
+
+    @property
+    def vocab_size(self) -> int:
+        info = self.info
+        return info.vocab_size if info is not None else self.tokenizer.get_vocab_size()
+
+    @property
+    def fingerprint(self) -> str | None:
+        info = self.info
+        return info.fingerprint if info is not None else None
 
     def get_num_unfinished_requests(self) -> int:
         """Requests some rank still holds, as the dispatcher knows them."""
@@ -265,7 +357,8 @@ class DataParallelDriver:
         return text
 
     async def start(self) -> None:
-        """Starts every rank and returns when all are up; raises (and cleans up) if any fails to start."""
+        """Starts every rank and returns once each is up or has failed (a rank that fails to build is restarted
+        with backoff like any other, while ``/ready`` says why); raises (and cleans up) if it cannot start."""
         self._loop = loop = asyncio.get_running_loop()
         self._context = zmq.Context()
         self._run_dir = tempfile.mkdtemp(prefix="dp-")
@@ -287,9 +380,7 @@ class DataParallelDriver:
             tokenizer_task.cancel()
             await self.stop()
             raise
-        info = self.ranks[0].info
-        assert info is not None
-        self.engine = RankedEngineView(tokenizer, info, self)
+        self.engine = RankedEngineView(tokenizer, self)
 
     async def stop(self) -> None:
         """Fails outstanding requests, has every local rank close its engine (together, in lockstep), reaps them."""
@@ -335,7 +426,7 @@ class DataParallelDriver:
         """Sends the request to the rank the balancer picks (in the next flush); returns that rank's index."""
         if not self.alive:
             raise UnavailableError(f"backend {self.name!r} has no rank up: {self._reasons()}", retry_after=1.0)
-        rank = self._choose(prompt_token_ids)
+        rank, prefix = self._choose(prompt_token_ids)
         seed = sampling_params.get("seq_seed")
         if seed is not None:
             sampling_params = {**sampling_params, "seq_seed": seed & _UINT64}  # DeepInfer's own wrap-around
@@ -344,7 +435,7 @@ class DataParallelDriver:
         rank.requests.add(request_id)
         rank.queued_tokens += queued
         rank.dispatched += 1
-        rank.adds.append([request_id, sampling_params, prompt_token_ids.tobytes(), user_id])
+        rank.adds.append([request_id, sampling_params, prompt_token_ids.tobytes(), user_id, prefix])
         self._schedule_flush()
         return rank.index
 
@@ -367,20 +458,22 @@ class DataParallelDriver:
             return False
         return not self.plan.lockstep or all(r.state == "up" for r in self.ranks)
 
-    def _choose(self, prompt: np.ndarray) -> RankState:
+    def _choose(self, prompt: np.ndarray) -> tuple[RankState, bytes]:
+        """The rank for a prompt, and its prefix hashes for the rank to pass on (empty when already sent)."""
         # The n choices of one request share its prompt array: keep them on one rank (one prefill, one cache).
         if prompt is self._last_prompt and self._usable(self.ranks[self._last_rank]):
-            return self.ranks[self._last_rank]
+            return self.ranks[self._last_rank], b""
         balancer = self.balancer
         # Our own load on each rank, known exactly, plus what the rank last reported holding for other dispatchers.
         loads = [
             balancer.load(r.outstanding + r.others.requests, r.queued_tokens + r.others.queued_prompt_tokens)
             for r in self.ranks
         ]
-        index = balancer.choose(prompt, loads, [self._usable(r) for r in self.ranks])
+        prefix = balancer.prefix_hashes(prompt)
+        index = balancer.choose_for(prefix, loads, [self._usable(r) for r in self.ranks])
         self._last_prompt = prompt
         self._last_rank = index
-        return self.ranks[index]
+        return self.ranks[index], prefix.tobytes()
 
     def _schedule_flush(self) -> None:
         if not self._flush_pending and self._loop is not None:
@@ -392,24 +485,27 @@ class DataParallelDriver:
         sent: list[RankState] = []
         added = False
         for rank in self.ranks:
-            if not (rank.adds or rank.aborts):
+            if not rank.has_commands:
                 continue
             if rank.socket is None:
                 rank.adds = []
                 rank.aborts = []
-            elif self._send(rank, [m.BATCH, rank.adds, rank.aborts]):
+                rank.credited = rank.taken
+            elif self._send(rank, [m.BATCH, rank.adds, rank.aborts, rank.taken]):
                 sent.append(rank)
                 added = added or bool(rank.adds)
                 rank.adds = []
                 rank.aborts = []
+                rank.credited = rank.taken
             # else the rank's queue is full (it is inside a long step): the commands stay queued here and go,
             # merged with later ones, when it has read (``_on_readable``); none is ever dropped
         if added and self.plan.lockstep:
             # Idle ranks wait on their inbox between the group's has_unfinished_requests calls: wake them now,
             # so the rank given work does not wait in the collective for the others' poll timeout.
             for rank in self.ranks:
-                if rank not in sent and rank.socket is not None:
-                    self._send(rank, [m.BATCH, [], []])  # a wake-up: redundant if its queue is full
+                # A wake-up (redundant if its queue is full), with the credit if one is due.
+                if rank not in sent and rank.socket is not None and self._send(rank, [m.BATCH, [], [], rank.taken]):
+                    rank.credited = rank.taken
 
     def _send(self, rank: RankState, message: list[Any]) -> bool:
         """Sends without blocking; False if the rank's queue is full (``messages.QUEUE_MESSAGES``)."""
@@ -437,30 +533,50 @@ class DataParallelDriver:
             try:
                 data = socket.recv(zmq.NOBLOCK)
             except zmq.Again:
-                if rank.adds or rank.aborts:  # held back by a full queue; the worker may have read since
+                if rank.has_commands:  # held back by a full queue; the worker may have read since
                     self._schedule_flush()
                 return
             rank.last_heard = time.monotonic()
             message = m.unpack_event(data)
             kind = message[0]
             if kind == m.STEP:
-                rank.report(m.RankStats(*message[3]))
-                rank.others = m.RankLoad(*message[4])
-                self._dispatch(rank, message[1], message[2])
-                # One step per turn: the next is read after the stream tasks this one woke have sent their frames,
-                # so a rank that outruns the loop cannot bury it (and clients that leave are noticed in time).
+                rank.report(m.RankStats(*message[4]))
+                rank.others = m.RankLoad(*message[5])
+                self._learn(rank, message[6])
+                self._dispatch(rank, message[2], message[3])
+                # One step per turn: it is taken, and the next read, after the stream tasks it woke have sent their
+                # frames (and aborted what their clients left), so the rank's credit tracks what clients were sent.
                 assert self._loop is not None
-                self._loop.call_soon(self._on_readable, index)
+                self._loop.call_soon(self._took, rank, socket, message[1])
                 return
             elif kind == m.HEARTBEAT:
                 rank.report(m.RankStats(*message[1]))
                 rank.others = m.RankLoad(*message[2])
+                self._learn(rank, message[3])
             elif kind == m.READY:
-                self._on_ready(rank, message[1], m.EngineInfo(*message[2]))
+                self._on_ready(rank, message[1], m.EngineInfo(*message[2]), message[3])
+            elif kind == m.STARTING:
+                self._on_starting(rank, message[1], *message[2])
             elif kind == m.FAILED:
                 self._rank_failed(rank, f"engine failed: {message[1]}")
             elif kind == m.CLOSED:
                 rank.reason = "closed"
+
+    def _learn(self, rank: RankState, prefixes: Sequence[bytes]) -> None:
+        """Prompts other dispatchers sent this rank: their prefixes are found there from here too."""
+        if rank.state == "up":
+            for prefix in prefixes:
+                self.balancer.learn(rank.index, prefix)
+
+    def _took(self, rank: RankState, socket: zmq.Socket, seq: int) -> None:
+        """A step message's outputs are taken: the rank gets the credit (with the aborts they caused, in one
+        ``BATCH``), and the next message is read."""
+        if rank.socket is not socket:
+            return  # taken down meanwhile
+        if seq != rank.taken:
+            rank.taken = seq
+            self._flush()
+        self._on_readable(rank.index)
 
     def _dispatch(self, rank: RankState, outputs: Sequence[tuple[Any, ...]], errors: Sequence[Any]) -> None:
         grouped: dict[str, list[tuple[Any, ...]]] = {}
@@ -498,7 +614,24 @@ class DataParallelDriver:
         rank.queued_tokens -= entry.queued
         entry.queued = 0
 
-    def _on_ready(self, rank: RankState, pid: int, info: m.EngineInfo) -> None:
+    def _on_starting(self, rank: RankState, pid: int, launch: int, after: str, delay: float) -> None:
+        """The rank waits out its backoff or builds its engine; a rank we served from has restarted."""
+        if rank.state == "up":
+            self._take_down(rank, "restarted")
+            self._connect(rank)
+            rank.state = "starting"
+        elif rank.state != "starting":
+            return
+        rank.pid = pid
+        rank.launch = launch
+        rank.after = after
+        rank.builds_at = time.monotonic() + delay
+        rank.reason = "starting"
+        if after:  # its launcher restarts it after failures: the start does not wait for it
+            rank.settled = True
+            self._maybe_started()
+
+    def _on_ready(self, rank: RankState, pid: int, info: m.EngineInfo, launch: int) -> None:
         answer = rank.hellos > 0
         rank.hellos = max(0, rank.hellos - 1)
         if rank.state == "up" and answer:
@@ -512,15 +645,16 @@ class DataParallelDriver:
             return  # a late READY on a socket of a rank taken down
         rank.pid = pid
         rank.info = info
+        rank.launch = launch
+        rank.builds_at = None
+        rank.taken = rank.credited = 0  # a new session: the rank numbers its step messages from 1 again
         rank.state = "up"
         rank.reason = ""
         rank.last_heard = time.monotonic()
         logger.info("rank %d of %s is up (pid %d)", rank.index, self.name, pid)
         assert self.supervisor is not None
         self.supervisor.ready(rank.index)
-        started = self._started
-        if started is not None and not started.done() and all(r.state == "up" for r in self.ranks):
-            started.set_result(None)
+        self._maybe_started()
 
     # ---- processes, sockets, failure (what RankSupervisor decides, carried out: the RankControl surface) --------
 
@@ -537,10 +671,15 @@ class DataParallelDriver:
         rank = self.ranks[index]
         logger.error("rank %d of %s is down: %s; restarting in %.1f s", index, self.name, reason, restart_in)
         self._take_down(rank, reason)
-        rank.reason = f"{reason}; restarting in {restart_in:.1f} s"
+        rank.retry_at = time.monotonic() + restart_in
+        rank.settled = True
+        self._maybe_started()
+
+    def _maybe_started(self) -> None:
+        """The start is over once every rank is up or has failed (and is being restarted)."""
         started = self._started
-        if started is not None and not started.done():
-            started.set_exception(RuntimeError(f"rank {index} of backend {self.name!r} failed: {reason}"))
+        if started is not None and not started.done() and all(r.state == "up" or r.settled for r in self.ranks):
+            started.set_result(None)
 
     def _endpoint(self, rank: int) -> str:
         """Where a rank is reached: for a local TCP rank a port free now, chosen again at each launch (the old one
@@ -562,10 +701,14 @@ class DataParallelDriver:
     def _launch(self, rank: RankState, collective: str | None) -> None:
         """Connects to the rank's endpoint (sending RESET as the hello) and, for a local rank, starts its process."""
         assert self._loop is not None
+        after = rank.reason if rank.launches else ""
         rank.state = "starting"
         rank.reason = "starting"
         rank.pid = None
+        rank.retry_at = rank.builds_at = None
         rank.launches += 1
+        if not rank.remote:  # what we tell it; a remote rank tells us
+            rank.launch, rank.after = rank.launches, after
         if not rank.remote:
             rank.endpoint = self._endpoint(rank.index)
         self._connect(rank)
@@ -573,7 +716,7 @@ class DataParallelDriver:
             return
         # Spawned from the event loop's thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
         try:
-            process = self.plan.spawn(rank.index, rank.endpoint, collective)
+            process = self.plan.spawn(rank.index, rank.endpoint, collective, LaunchStatus(rank.launches, after, 0.0))
         except OSError as exc:  # reported from the next loop iteration: the supervisor is inside its launch now
             logger.exception("cannot start rank %d of %s", rank.index, self.name)
             self._loop.call_soon(self._never_started, rank, f"cannot start its worker process: {exc}")
@@ -587,6 +730,9 @@ class DataParallelDriver:
         self._close_socket(rank)
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.ROUTING_ID, self.identity)
+        keys = keys_for(rank.endpoint, self.plan.keys)
+        if keys is not None:
+            keys.connect_as_client(socket)
         m.bound_queues(socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RECONNECT_IVL, 20)
@@ -609,7 +755,7 @@ class DataParallelDriver:
             self._loop.remove_reader(socket.FD)
         socket.close(linger=0)
 
-    def _watch_exit(self, rank: RankState, process: subprocess.Popen[bytes], exited: asyncio.Future[int]) -> None:
+    def _watch_exit(self, rank: RankState, process: RankProcess, exited: asyncio.Future[int]) -> None:
         assert self._loop is not None
         loop = self._loop
         try:
@@ -625,16 +771,16 @@ class DataParallelDriver:
 
         loop.add_reader(pidfd, readable)
 
-    def _on_exit(self, rank: RankState, process: subprocess.Popen[bytes], exited: asyncio.Future[int]) -> None:
-        code = process.wait()
+    def _on_exit(self, rank: RankState, process: RankProcess, exited: asyncio.Future[int]) -> None:
+        reason = process.end_reason()
         if not exited.done():
-            exited.set_result(code)
+            exited.set_result(process.returncode)
         if rank.process is not process:
             return
         rank.process = None
         if self._stopping:
             return
-        self._rank_failed(rank, f"worker exited with {_describe_exit(code)}")
+        self._rank_failed(rank, reason)
         assert self.supervisor is not None
         self.supervisor.exited(rank.index)  # its GPU memory is free: a relaunch may go ahead
 
@@ -657,7 +803,7 @@ class DataParallelDriver:
         rank.state = "down"
         rank.reason = reason
         self._close_socket(rank)
-        rank.fold()
+        rank.forget_stats()
         rank.adds = []
         rank.aborts = []
         self.balancer.forget(rank.index)
@@ -683,7 +829,7 @@ class DataParallelDriver:
                     rank.hellos = 0  # unanswered by now: lost with an incarnation that died while loading
             elif rank.state == "starting" and rank.remote and rank.socket is not None:
                 self._greet_again(rank, now)
-            if rank.adds or rank.aborts:
+            if rank.has_commands:
                 self._schedule_flush()  # commands held back by a full queue (normally ``_on_readable`` resends)
         self._heartbeat = self._loop.call_later(HEARTBEAT_CHECK_SECONDS, self._check_heartbeats)
 
@@ -699,7 +845,8 @@ class DataParallelDriver:
         rank.hello_again = min(HELLO_AGAIN_MAX_SECONDS, rank.hello_again * 2)
 
     def _reasons(self) -> str:
-        return "; ".join(f"rank {r.index}: {r.reason}" for r in self.ranks if not self._usable(r)) or "none"
+        now = time.monotonic()
+        return "; ".join(f"rank {r.index}: {r.explain(now)}" for r in self.ranks if not self._usable(r)) or "none"
 
 
 def _rebuild_error(kind: str, message: str) -> BackendError:
@@ -710,7 +857,7 @@ def _rebuild_error(kind: str, message: str) -> BackendError:
     return UpstreamError(message)
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"

@@ -5,6 +5,11 @@ The front-end supervisor (``gateway/server.py``) runs this with ``server.workers
 start its own ranks, N front ends would start N engines per rank. The front ends are handed the endpoints as
 ``worker_endpoints`` and treat the ranks as remote: they connect, never start or stop them, and notice a new
 incarnation by its ``READY``. Synchronous on purpose: the supervisor's loop waits on process descriptors.
+
+A rank that exits is started again at once, told its launch number, why its predecessor ended (the engine's error
+from the failure pipe, or the exit status) and its backoff, which it waits out itself while answering every front
+end with ``STARTING`` (``backends/workers/startup.py``): so the front ends' ``/ready`` shows why a rank is down,
+how often it restarted and when it comes back, though only this process knows.
 """
 
 from __future__ import annotations
@@ -19,20 +24,25 @@ import time
 import zmq
 
 from backends.workers import messages as m
-from backends.workers.driver import STOP_TIMEOUT_SECONDS, WorkerPlan, free_port
+from backends.workers.driver import STOP_TIMEOUT_SECONDS, RankProcess, WorkerPlan, free_port
+from backends.workers.keys import keys_for
+from backends.workers.startup import LaunchStatus
 
 logger = logging.getLogger(__name__)
 
 
 class _HostedRank:
-    __slots__ = ("due", "failures", "pidfd", "process", "started")
+    __slots__ = ("after", "delay", "due", "failures", "launches", "pidfd", "process", "started")
 
     def __init__(self) -> None:
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: RankProcess | None = None
         self.pidfd: int | None = None
         self.started = 0.0
         self.failures = 0  # exits in a row, each within ``stable_seconds`` of its start
-        self.due: float | None = None  # when to launch it again
+        self.launches = 0
+        self.after = ""  # why the last incarnation ended
+        self.delay = 0.0  # the next launch's backoff, which the worker waits out itself
+        self.due: float | None = None  # when to try again to spawn a worker that could not be spawned
 
 
 class RankHost:
@@ -67,32 +77,44 @@ class RankHost:
         return max(0.0, min(due) - now) if due else None
 
     def on_exited(self, ready: list[object], now: float) -> None:
-        """Reaps the ranks whose pidfd is in ``ready`` and plans their relaunch (the whole group, in lockstep)."""
+        """Reaps the ranks whose pidfd is in ``ready`` and starts them again, each waiting out its backoff (the
+        whole group, in lockstep, once every old process is gone)."""
         exited = [rank for rank in self.ranks if rank.pidfd is not None and rank.pidfd in ready]
         for rank in exited:
             assert rank.process is not None
-            code = rank.process.wait()
+            rank.after = rank.process.end_reason()
             self._close(rank)
             rank.failures = 1 if now - rank.started >= self.plan.stable_seconds else rank.failures + 1
-            delay = min(self.plan.max_backoff, self.plan.restart_backoff * 2 ** (rank.failures - 1))
+            rank.delay = min(self.plan.max_backoff, self.plan.restart_backoff * 2 ** (rank.failures - 1))
             logger.error(
-                "rank %d of %s exited with code %s; starting it again in %.1f s",
+                "rank %d of %s ended (%s); starting it again after %.1f s",
                 self.ranks.index(rank),
                 self.name,
-                code,
-                delay,
+                rank.after,
+                rank.delay,
             )
-            rank.due = now + delay
-        if exited and self.plan.lockstep:
+        if not exited:
+            return
+        if self.plan.lockstep:
             # Its peers are blocked inside a collective: the group goes down and comes back together.
-            due = max(rank.due for rank in exited if rank.due is not None)
+            first = exited[0]
+            delay = max(rank.delay for rank in exited)
             for rank in self.ranks:
                 self._kill(rank)
-                rank.due = due
+                if rank not in exited:
+                    rank.after = f"lockstep group restart after rank {self.ranks.index(first)} ended: {first.after}"
+                rank.delay = delay
+            self._launch_all()
+            return
+        for rank in exited:
+            self._launch(self.ranks.index(rank), None)
 
     def relaunch_due(self, now: float) -> None:
+        """Tries again to spawn the workers that could not be spawned."""
         if self.plan.lockstep:
-            if all(rank.due is not None and rank.due <= now for rank in self.ranks):
+            if any(rank.due is not None and rank.due <= now for rank in self.ranks):
+                for rank in self.ranks:
+                    self._kill(rank)
                 self._launch_all()
             return
         for index, rank in enumerate(self.ranks):
@@ -115,10 +137,14 @@ class RankHost:
         plan = self.plan
         rank = self.ranks[index]
         rank.due = None
+        rank.launches += 1
         try:
-            rank.process = plan.spawn(index, self.endpoints[index], collective)
-        except OSError:
+            rank.process = plan.spawn(
+                index, self.endpoints[index], collective, LaunchStatus(rank.launches, rank.after, rank.delay)
+            )
+        except OSError as exc:
             logger.exception("cannot start rank %d of %s", index, self.name)
+            rank.after = f"cannot start its worker process: {exc}"
             rank.failures += 1
             rank.due = time.monotonic() + min(plan.max_backoff, plan.restart_backoff * 2**rank.failures)
             return
@@ -130,7 +156,7 @@ class RankHost:
         if rank.process is not None:
             with contextlib.suppress(ProcessLookupError):
                 rank.process.send_signal(signal.SIGKILL)
-            rank.process.wait()
+            rank.process.end_reason()  # reaps it and closes its failure pipe
         self._close(rank)
 
     @staticmethod
@@ -151,6 +177,9 @@ class RankHost:
                 socket = context.socket(zmq.DEALER)
                 socket.setsockopt(zmq.LINGER, int(STOP_TIMEOUT_SECONDS * 1000))
                 socket.setsockopt(zmq.ROUTING_ID, b"front-end-supervisor")
+                keys = keys_for(self.endpoints[index], self.plan.keys)
+                if keys is not None:
+                    keys.connect_as_client(socket)
                 socket.connect(self.endpoints[index])
                 for message in ([m.RESET], [m.STOP]):
                     with contextlib.suppress(zmq.Again):

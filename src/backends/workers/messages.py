@@ -12,9 +12,14 @@ from typing import Any, NamedTuple
 import msgpack
 import zmq
 
+from backends.engine.driver import STEPS_AHEAD as ENGINE_STEPS_AHEAD
+
 # Dispatcher -> worker.
 BATCH = 0
-"""``[BATCH, adds, aborts]``: adds are ``[request_id, sampling_params, prompt_int32_bytes, user_id]``."""
+"""``[BATCH, adds, aborts, taken]``: adds are ``[request_id, sampling_params, prompt_int32_bytes, user_id, prefix]``,
+``prefix`` the prompt's prefix hashes (``RankBalancer.prefix_hashes`` as uint64 bytes, or empty), which the rank
+passes on to its other dispatchers; ``taken`` is the ``seq`` of the last ``STEP`` message the dispatcher has taken
+(its credit, ``STEPS_AHEAD``)."""
 RESET = 1
 """``[RESET]``: the hello of a dispatcher session: abort every request *this dispatcher* holds on the worker
 (requests of other dispatchers are untouched), answered with ``READY``."""
@@ -25,18 +30,34 @@ PING = 3
 
 # Worker -> dispatcher.
 READY = 10
-"""``[READY, pid, info]``: the engine is constructed; ``info`` describes it (``EngineInfo`` fields). The answer to
+"""``[READY, pid, info, launch]``: the engine is constructed; ``info`` describes it (``EngineInfo`` fields),
+``launch`` is this incarnation's number (1, then one more per restart, as its launcher counts). The answer to
 ``RESET``, and to any message of a dispatcher the worker does not know (a new incarnation of the rank, or one that
 dropped this dispatcher when its lease ran out): such a dispatcher fails what it sent before and says hello again."""
 STEP = 11
-"""``[STEP, outputs, errors, stats, load]``: one engine step's outputs for this dispatcher (``EngineOutput`` fields as
-arrays), its errors, the rank's counters and ``RankLoad``: what the rank holds for *other* dispatchers."""
+"""``[STEP, seq, outputs, errors, stats, load, prefixes]``: one engine step's outputs for this dispatcher
+(``EngineOutput`` fields as arrays), its errors, the rank's counters, ``RankLoad`` (what the rank holds for *other*
+dispatchers) and the prefix hashes of the prompts other dispatchers sent it since (so every dispatcher knows where
+a prefix went). ``seq`` numbers the messages with outputs or errors this session (1, 2, ...); a message with neither
+repeats the last number and needs no credit."""
 HEARTBEAT = 12
-"""``[HEARTBEAT, stats, load]``: an idle worker is alive; ``load`` as in ``STEP``."""
+"""``[HEARTBEAT, stats, load, prefixes]``: an idle (or waiting) worker is alive; the rest as in ``STEP``."""
 FAILED = 13
-"""``[FAILED, reason]``: the engine failed; the worker exits right after."""
+"""``[FAILED, reason]``: the engine failed (to build, or while serving); the worker exits right after."""
 CLOSED = 14
 """``[CLOSED]``: the engine closed cleanly; the worker exits right after."""
+STARTING = 15
+"""``[STARTING, pid, [launch, after, delay]]``: the answer to any message while the rank waits out its restart
+backoff (``delay`` seconds more) or builds its engine (``delay`` 0); ``after`` is why the previous incarnation
+ended. A hello (``RESET``) is remembered and answered with ``READY`` once the engine is built."""
+
+
+STEPS_AHEAD = ENGINE_STEPS_AHEAD
+"""Credits: a rank sends a dispatcher at most this many ``STEP`` messages with outputs beyond what the dispatcher has
+taken (``BATCH``'s ``taken``), then waits before its next step, as the in-process engine waits for the event loop.
+A dispatcher takes a message once it has handed its outputs on and the stream tasks they woke have run, so the rank
+runs at most this many steps ahead of the clients, and an abort sent while taking step ``k`` is applied before
+step ``k + STEPS_AHEAD``."""
 
 
 class RankLoad(NamedTuple):
@@ -57,7 +78,9 @@ class EngineInfo(NamedTuple):
 
 
 class RankStats(NamedTuple):
-    """A worker's counters, sent with its step messages (at most every ``REPORT_SECONDS`` when there is no output).
+    """A rank's own counters, sent with its step messages (at most every ``REPORT_SECONDS`` when there is no output):
+    the same numbers for every dispatcher, so each front end's ``/metrics`` shows the rank's true figures (from its
+    start: a restarted rank counts from 0 again, a counter reset as Prometheus knows it).
 
     ``samples`` are the engine's own ``metric_samples()`` as ``[name, kind, help, value]``, when it offers them.
     """
@@ -70,7 +93,14 @@ class RankStats(NamedTuple):
     kv_usage: float
     steps_per_second: float
     samples: list[list[Any]] | None
+    requests: int  # requests the rank holds, for every dispatcher
+    queued_prompt_tokens: int  # their prompt tokens not yet prefilled
+    dispatched: int  # requests the rank accepted since it started, from every dispatcher
 
+
+PREFIXES_PENDING = 4096
+"""Prompts' prefix hashes a rank keeps for a dispatcher that has not heard them yet; older ones are dropped (an
+affinity hint lost costs a prefix-cache miss, never a wrong answer)."""
 
 QUEUE_MESSAGES = 64
 """ZeroMQ high-water mark, in messages, of each socket's send and receive queue on both sides. A DEALER whose peer's

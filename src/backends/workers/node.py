@@ -28,7 +28,8 @@ from urllib.parse import urlsplit
 import zmq
 
 from backends.workers import messages as m
-from backends.workers.driver import STOP_TIMEOUT_SECONDS, WorkerPlan
+from backends.workers.driver import STOP_TIMEOUT_SECONDS, RankProcess, WorkerPlan
+from backends.workers.keys import keys_for
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class RankNode:
         self.plan = plan
         self.ranks = list(ranks)
         self.endpoints = list(endpoints)
-        self.processes: list[subprocess.Popen[bytes]] = []
+        self.processes: list[RankProcess] = []
         self._wake_read, self._wake_write = os.pipe()
         self._stopping = False
 
@@ -122,11 +123,10 @@ class RankNode:
                             logger.info("rank %d of %s closed with its group", rank, self.name)
                             return 0
                         logger.error(
-                            "rank %d of %s exited with code %s: taking the node's ranks down so that the group "
-                            "restarts whole",
+                            "rank %d of %s ended (%s): taking the node's ranks down so that the group restarts whole",
                             rank,
                             self.name,
-                            code,
+                            process.end_reason(),
                         )
                         return 1
             return 0
@@ -149,6 +149,9 @@ class RankNode:
                 socket = context.socket(zmq.DEALER)
                 socket.setsockopt(zmq.LINGER, int(STOP_TIMEOUT_SECONDS * 1000))
                 socket.setsockopt(zmq.ROUTING_ID, b"rank-node")
+                keys = keys_for(endpoint, self.plan.keys) if self.plan.keys else None
+                if keys is not None:  # the node holds the ranks' key pair, which they admit too
+                    keys.connect_as_client(socket)
                 socket.connect(_reachable(endpoint))
                 for message in ([m.RESET], [m.STOP]):
                     with contextlib.suppress(zmq.Again):

@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -37,6 +38,8 @@ from backends.engine.protocol import Engine, EngineOutput
 from backends.errors import BackendError, InvalidRequestError, OverloadedError
 from backends.workers import messages as m
 from backends.workers.collective import DataParallelGroup
+from backends.workers.keys import RankKeysError, keys_for
+from backends.workers.startup import LaunchStatus, StartupResponder
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,11 @@ class WorkerSpec:
     collective_endpoint: str | None = None  # lockstep: where rank 0 hosts the group's rendezvous
     parent_pid: int | None = None  # exit with the gateway that started us (None: started by someone else)
     lease_seconds: float = DISPATCHER_LEASE_SECONDS  # a dispatcher silent this long loses its requests
+    launch: int = 1  # this incarnation's number, as the launcher counts (restarts + 1)
+    after: str = ""  # why the previous incarnation ended
+    start_delay: float = 0.0  # the restart backoff, waited (answering dispatchers) before the engine is built
+    failure_fd: int | None = None  # a pipe to the launcher: why the engine failed, written before exiting
+    keys: str | None = None  # rank_keys: over TCP only dispatchers with an admitted key are heard (CURVE)
 
     def to_json(self) -> str:
         return json.dumps({name: getattr(self, name) for name in self.__slots__})  # type: ignore[attr-defined]
@@ -121,9 +129,20 @@ class _Counters:
 
 
 class Dispatcher:
-    """One dispatcher (a gateway front-end process) in front of this rank: its requests and its lease."""
+    """One dispatcher (a gateway front-end process) in front of this rank: its requests, its lease, its credits."""
 
-    __slots__ = ("identity", "last_report", "last_seen", "live", "prefix", "queued")
+    __slots__ = (
+        "behind_since",
+        "identity",
+        "last_report",
+        "last_seen",
+        "live",
+        "prefix",
+        "prefixes",
+        "queued",
+        "sent",
+        "taken",
+    )
 
     def __init__(self, identity: bytes, prefix: str, now: float) -> None:
         self.identity = identity
@@ -132,6 +151,20 @@ class Dispatcher:
         self.queued = 0  # prompt tokens of its requests not yet prefilled
         self.last_seen = now
         self.last_report = now
+        self.sent = 0  # ``seq`` of the last STEP message with outputs or errors sent to it
+        self.taken = 0  # ``seq`` of the last one it has taken
+        self.behind_since: float | None = None  # since when the rank waits for it to take its outputs
+        self.prefixes: deque[bytes] = deque(maxlen=m.PREFIXES_PENDING)  # other dispatchers' prompts, to pass on
+
+    def take_prefixes(self) -> list[bytes]:
+        prefixes = list(self.prefixes)
+        self.prefixes.clear()
+        return prefixes
+
+    @property
+    def behind(self) -> bool:
+        """The rank may not step: this dispatcher's requests would get outputs past its ``STEPS_AHEAD`` credits."""
+        return bool(self.live) and self.sent - self.taken >= m.STEPS_AHEAD
 
 
 class Worker:
@@ -145,8 +178,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec, socket: zmq.Socket, rank_engine: RankEngine) -> None:
         self.spec = spec
         self.socket = socket
-        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue blocks (or times out), an unknown peer raises
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a dispatcher reconnecting under its id takes its place
+        route_to_dispatchers(socket)
         socket.setsockopt(zmq.SNDTIMEO, int(spec.lease_seconds * 1000))
         self.engine = rank_engine.engine
         self.group = rank_engine.group
@@ -158,6 +190,7 @@ class Worker:
         self.queued: dict[str, int] = {}  # engine request id -> prompt tokens until its first output
         self.queued_total = 0
         self.tokens = 0
+        self.dispatched = 0
         self.counters = _Counters()
         self.max_num_seqs = int(getattr(self.engine, "max_num_seqs", 0) or 0)
         self._stop = False
@@ -226,6 +259,16 @@ class Worker:
                 self._aborts = []
             if self._stop and not self.lockstep:
                 break
+            behind = self._behind()
+            if behind is not None:
+                # Credits: the dispatcher has not taken the last STEPS_AHEAD steps' outputs. Stepping on would make
+                # tokens nobody reads yet (and that an abort on its way would waste): wait for it, as the
+                # in-process engine waits for its event loop. In lockstep the peers wait in their next collective.
+                now = clock()
+                counters.busy += now - awake
+                self._wait_for(behind, now)
+                awake = clock()
+                continue
             before = clock()
             outputs: Sequence[EngineOutput]
             if engine.has_unfinished_requests():
@@ -248,12 +291,7 @@ class Worker:
                 else:
                     self.socket.poll(int(HEARTBEAT_SECONDS * 1000))
                 awake = clock()
-                stats: list[Any] | None = None
-                for dispatcher in list(self.dispatchers.values()):
-                    if awake - dispatcher.last_report >= HEARTBEAT_SECONDS:
-                        stats = stats or self._stats(awake)
-                        self.send(dispatcher.identity, [m.HEARTBEAT, stats, self.load_for(dispatcher)], block=False)
-                        dispatcher.last_report = awake
+                self._heartbeats(awake)
                 continue
             now = clock()
             counters.engine_seconds += now - before
@@ -262,6 +300,34 @@ class Worker:
             self._report(outputs, now)
         engine.close()
         self.broadcast([m.CLOSED])
+
+    def _behind(self) -> Dispatcher | None:
+        for dispatcher in self.dispatchers.values():
+            if dispatcher.behind:
+                return dispatcher
+        return None
+
+    def _wait_for(self, dispatcher: Dispatcher, now: float) -> None:
+        """Waits (at most a heartbeat) for a message, such as the dispatcher's credit; one that has not taken its
+        outputs for ``lease_seconds`` loses its lease, so a stalled front end holds the others up that long at most."""
+        if dispatcher.behind_since is None:
+            dispatcher.behind_since = now
+        waited = now - dispatcher.behind_since
+        if waited >= self.spec.lease_seconds:
+            self._evict(dispatcher.identity, f"did not take its outputs for {waited:.1f} s")
+            return
+        self.socket.poll(int(1000 * min(HEARTBEAT_SECONDS, self.spec.lease_seconds - waited)) + 1)
+        self._heartbeats(time.perf_counter())
+
+    def _heartbeats(self, now: float) -> None:
+        """Dispatchers that have heard nothing for a heartbeat hear that the rank is alive (while idle or waiting)."""
+        stats: list[Any] | None = None
+        for dispatcher in list(self.dispatchers.values()):
+            if dispatcher.prefixes or now - dispatcher.last_report >= HEARTBEAT_SECONDS:
+                stats = stats or self._stats(now)
+                message = [m.HEARTBEAT, stats, self.load_for(dispatcher), dispatcher.take_prefixes()]
+                self.send(dispatcher.identity, message, block=False)
+                dispatcher.last_report = now
 
     def _drain(self) -> None:
         socket = self.socket
@@ -274,27 +340,39 @@ class Worker:
             kind = message[0]
             dispatcher = self.dispatchers.get(identity)
             if kind == m.RESET:
-                if dispatcher is not None:
-                    self._aborts.extend(dispatcher.live)
-                    self._forget_dispatcher(dispatcher)
-                self._sessions += 1
-                self.dispatchers[identity] = Dispatcher(identity, f"{self._sessions}/", time.perf_counter())
-                self.send(identity, [m.READY, os.getpid(), self.info()])
+                self.hello(identity)
             elif kind == m.STOP:
                 self._stop = True
             elif dispatcher is None:
                 # A dispatcher this incarnation does not know (it restarted, or the lease ran out): its commands
                 # belong to requests it must fail; READY tells it so, and it says hello again.
-                self.send(identity, [m.READY, os.getpid(), self.info()], block=False)
+                self.send(identity, [m.READY, os.getpid(), self.info(), self.spec.launch], block=False)
             elif kind == m.BATCH:
                 dispatcher.last_seen = time.perf_counter()
-                for request_id, params, prompt, user_id in message[1]:
-                    self._add(dispatcher, request_id, params, prompt, user_id)
+                for request_id, params, prompt, user_id, prefix in message[1]:
+                    self._add(dispatcher, request_id, params, prompt, user_id, prefix)
                 prefix = dispatcher.prefix
                 owner = self.owner
                 self._aborts.extend(e for e in (prefix + r for r in message[2]) if e in owner)
+                if message[3] != dispatcher.taken:
+                    dispatcher.taken = message[3]
+                    dispatcher.behind_since = None
             elif kind == m.PING:
                 dispatcher.last_seen = time.perf_counter()
+
+    def hello(self, identity: bytes) -> None:
+        """A dispatcher's session starts (again: whatever it held here is aborted), answered with ``READY``."""
+        known = self.dispatchers.get(identity)
+        if known is not None:
+            self._aborts.extend(known.live)
+            self._forget_dispatcher(known)
+        self._sessions += 1
+        self.dispatchers[identity] = Dispatcher(identity, f"{self._sessions}/", time.perf_counter())
+        self.send(identity, [m.READY, os.getpid(), self.info(), self.spec.launch])
+
+    def stop(self) -> None:
+        """Abort everything and close the engine (with the group, in lockstep), as a ``STOP`` asks."""
+        self._stop = True
 
     def _check_leases(self, now: float) -> None:
         self._lease_checked = now
@@ -326,7 +404,13 @@ class Worker:
         self.queued_total -= queued
 
     def _add(
-        self, dispatcher: Dispatcher, request_id: str, params: dict[str, Any], prompt: bytes, user_id: str
+        self,
+        dispatcher: Dispatcher,
+        request_id: str,
+        params: dict[str, Any],
+        prompt: bytes,
+        user_id: str,
+        prefix: bytes,
     ) -> None:
         if self._stop:
             return
@@ -357,6 +441,11 @@ class Worker:
             self._errors.append((dispatcher, error))
             return
         self.owner[engine_id] = (dispatcher, request_id)
+        self.dispatched += 1
+        if prefix:
+            for other in self.dispatchers.values():
+                if other is not dispatcher:
+                    other.prefixes.append(prefix)
         dispatcher.live.add(engine_id)
         tokens = len(prompt) // 4
         self.queued[engine_id] = tokens
@@ -397,10 +486,14 @@ class Worker:
         for dispatcher in list(self.dispatchers.values()):
             batch = routed.get(dispatcher)
             failed = errors.get(dispatcher)
-            if batch is None and failed is None and now - dispatcher.last_report < REPORT_SECONDS:
-                continue
+            if batch is None and failed is None:
+                if not dispatcher.prefixes and now - dispatcher.last_report < REPORT_SECONDS:
+                    continue
+            else:
+                dispatcher.sent += 1  # one credit spent
             stats = stats or self._stats(now)
-            message = [m.STEP, batch or (), failed or (), stats, self.load_for(dispatcher)]
+            load = self.load_for(dispatcher)
+            message = [m.STEP, dispatcher.sent, batch or (), failed or (), stats, load, dispatcher.take_prefixes()]
             if self.send(dispatcher.identity, message):
                 dispatcher.last_report = now
 
@@ -428,8 +521,18 @@ class Worker:
                 kv_usage,
                 counters.rate,
                 samples,
+                len(self.owner),
+                self.queued_total,
+                self.dispatched,
             )
         )
+
+
+def route_to_dispatchers(socket: zmq.Socket) -> None:
+    """The rank's ROUTER options, set before it binds: from the first connection on (its engine may still be
+    building), a dispatcher reconnecting under its routing id takes the old connection's place."""
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue blocks (or times out), an unknown peer raises
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a dispatcher reconnecting under its id takes its place
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -453,19 +556,58 @@ def main(argv: list[str] | None = None) -> int:
     context = zmq.Context.instance()
     socket = context.socket(zmq.ROUTER)  # several dispatchers (front-end processes) may connect
     m.bound_queues(socket)
+    route_to_dispatchers(socket)
     socket.setsockopt(zmq.LINGER, 2000)
+    try:
+        keys = keys_for(spec.endpoint, spec.keys)
+        authenticator = keys.serve(socket, context) if keys is not None else None
+    except RankKeysError as exc:  # before the bind: nobody may reach a rank that cannot check who it is
+        logger.error("data-parallel rank %d refuses to start: %s", spec.rank, exc)
+        if spec.failure_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(spec.failure_fd, str(exc).encode()[:4096])
+        return 2
+    try:
+        return _serve(spec, socket)
+    finally:
+        if authenticator is not None:
+            authenticator.stop()
+
+
+def _serve(spec: WorkerSpec, socket: zmq.Socket) -> int:
+    """Binds the rank's socket, builds its engine and runs it until it stops (0) or fails (1)."""
     socket.bind(spec.endpoint)
     context_for_factory = RankContext(spec.rank, spec.size, spec.lockstep, spec.collective_endpoint, spec.options)
+    startup = StartupResponder(socket, LaunchStatus(spec.launch, spec.after, spec.start_delay))
+    startup.start()
+    try:
+        if spec.start_delay:
+            logger.info("data-parallel rank %d starts in %.1f s (after: %s)", spec.rank, spec.start_delay, spec.after)
+        startup.wait_delay()
+        rank_engine = load_factory(spec.factory)(context_for_factory)
+    except BaseException as exc:
+        logger.exception("data-parallel rank %d failed to build its engine", spec.rank)
+        startup.finish()
+        startup.report_failure(repr(exc), spec.failure_fd)
+        socket.close(linger=1000)
+        return 1
+    startup.finish()
     worker: Worker | None = None
     try:
-        rank_engine = load_factory(spec.factory)(context_for_factory)
         worker = Worker(spec, socket, rank_engine)
+        for identity in startup.greeted:  # they said hello while the engine was being built
+            worker.hello(identity)
+        if startup.stop_requested:
+            worker.stop()
         worker.run()
     except BaseException as exc:
         logger.exception("data-parallel rank %d failed", spec.rank)
         if worker is not None:
             with contextlib.suppress(zmq.ZMQError):
                 worker.broadcast([m.FAILED, repr(exc)])
+        if spec.failure_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(spec.failure_fd, repr(exc).encode()[:4096])
         socket.close(linger=1000)
         return 1
     socket.close()

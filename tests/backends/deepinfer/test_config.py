@@ -68,11 +68,12 @@ def test_ranks_on_other_hosts_are_reached_never_started() -> None:
     from backends.workers.backend import DataParallelBackend
 
     endpoints = ["tcp://node-0:5600", "tcp://node-1:5600"]
-    backend = build_deepinfer_backend(config(data_parallel_size=2, worker_endpoints=endpoints))
+    keys = "/etc/deepinfer-gateway/rank-keys"
+    backend = build_deepinfer_backend(config(data_parallel_size=2, worker_endpoints=endpoints, rank_keys=keys))
     assert isinstance(backend, DataParallelBackend)
     plan = backend.driver.plan
-    assert (plan.remote_endpoints, plan.lockstep, plan.rank_env) == (endpoints, True, None)
-    single = build_deepinfer_backend(config(worker_endpoints=["tcp://node-0:5600"]))
+    assert (plan.remote_endpoints, plan.lockstep, plan.rank_env, plan.keys) == (endpoints, True, None, keys)
+    single = build_deepinfer_backend(config(worker_endpoints=["tcp://node-0:5600"], rank_keys=keys))
     assert isinstance(single, DataParallelBackend), "one remote engine is reached as a rank too"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -189,3 +190,48 @@ def test_double_fails_every_rank_loudly_when_one_skips_a_collective(model_dir: P
         assert "CollectiveError" in out and "ranks are in different collectives" in out
         # rank 1's step() begins with the scheduler's prefill vote (step 0 is an ALL point), as DeepInfer's does
         assert "LLMEngine.has_unfinished_requests" in out and "LLMEngine._scheduler_vote" in out
+
+
+# ---- a rank that cannot build its engine ----------------------------------------------------------------------------
+
+
+def restarts_in(reason: str) -> int:
+    found = re.search(r"(\d+) restarts", reason)
+    return int(found.group(1)) if found else 0
+
+
+def test_ranks_that_cannot_build_their_engine_show_why_how_often_and_when_in_ready_and_metrics(
+    model_dir: Path,
+) -> None:
+    """DeepInfer refuses the GPU (the double reports a Hopper): each rank's build fails. The gateway serves 503s and
+    keeps restarting the group with backoff, and ``/ready`` says why (DeepInfer's own error, not an exit code), how
+    many restarts so far and when the next one is; the metrics count them."""
+    with doubles_for_workers():
+        broken = backend_config(model_dir, "hopper", 2, env={**ENGINE_ENV, "DEEPINFER_DOUBLE_DEVICE": "sm90"})
+        running = start_with_ranks(one_model_per_backend([broken]), ready_timeout=90, wait_for="/health")
+        try:
+            with httpx.Client(base_url=running.base_url, timeout=30) as http:
+
+                def reason() -> str:
+                    return str(http.get("/ready").json()["backends"]["hopper"]["reason"])
+
+                def backing_off() -> bool:  # between two launches: down, waiting out its backoff
+                    text = reason()
+                    return (
+                        restarts_in(text) >= 2
+                        and re.search(r"rank 0: [^;]+; restarting in \d+\.\d s", text) is not None
+                    )
+
+                assert wait_until(backing_off, timeout=60), reason()
+                ready = http.get("/ready")
+                assert ready.status_code == 503
+                text = ready.json()["backends"]["hopper"]["reason"]
+                assert text.startswith("0/2 ranks up")
+                assert "Hopper and older are refused" in text, "the engine's own error, from the rank"
+                refused = http.post("/v1/completions", json={"model": "hopper", "prompt": "x", "max_tokens": 2})
+                assert refused.status_code == 503
+            assert running.metric("gateway_dp_rank_restarts_total", backend="hopper", rank="0") >= 2
+            assert running.metric("gateway_dp_rank_up", backend="hopper") == 0
+            assert wait_until(lambda: running.metric("gateway_dp_rank_backoff_seconds", backend="hopper") > 0)
+        finally:
+            stop_gateway(running)

@@ -9,12 +9,14 @@ two front ends cannot each build an engine on the same devices.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -24,7 +26,7 @@ import yaml
 from ...conftest import wait_until
 from ...processes import descendants, free_port, front_ends, is_ready, ranks
 from .conftest import DOUBLE_DIR, TORCH_DOUBLE_DIR
-from .test_data_parallel import backend_config
+from .test_data_parallel import ENGINE_ENV, backend_config, restarts_in
 
 
 def double_environment() -> dict[str, str]:
@@ -49,16 +51,14 @@ def answer(base: str, model: str) -> str:
     return content
 
 
-@pytest.fixture
-def supervisor(model_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+@contextlib.contextmanager
+def serve_front_ends(tmp_path: Path, backends: list[dict[str, Any]]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``deepinfer-gateway serve`` with two front ends and one model per backend; killed (with its tree) after."""
     port = free_port()
     config = {
         "server": {"port": port, "workers": 2},
-        "backends": [
-            backend_config(model_dir, "di2", 2, visible_devices="0,1"),
-            backend_config(model_dir, "di1", 1, visible_devices="2"),
-        ],
-        "models": [{"name": "di2", "backends": ["di2"]}, {"name": "di1", "backends": ["di1"]}],
+        "backends": backends,
+        "models": [{"name": b["name"], "backends": [b["name"]]} for b in backends],
     }
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -71,6 +71,16 @@ def supervisor(model_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Pop
         if process.poll() is None:
             process.kill()  # its front ends and rank workers follow it
             process.wait()
+
+
+@pytest.fixture
+def supervisor(model_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    backends = [
+        backend_config(model_dir, "di2", 2, visible_devices="0,1"),
+        backend_config(model_dir, "di1", 1, visible_devices="2"),
+    ]
+    with serve_front_ends(tmp_path, backends) as served:
+        yield served
 
 
 def test_front_ends_share_the_deepinfer_ranks_the_supervisor_hosts(
@@ -126,3 +136,39 @@ def test_front_ends_share_the_deepinfer_ranks_the_supervisor_hosts(
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 0
     assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in hosted), timeout=30)
+
+
+def test_every_front_end_shows_why_the_ranks_it_shares_cannot_build_and_serves_the_rest(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Only the supervisor restarts hosted ranks, yet each front end's ``/ready`` shows DeepInfer's error, the
+    restarts and the backoff (the ranks report them: ``FAILED``, then ``STARTING`` from the next incarnation), and
+    the front ends serve the backend whose engine is fine meanwhile."""
+    backends = [
+        backend_config(
+            model_dir, "hopper", 2, visible_devices="0,1", env={**ENGINE_ENV, "DEEPINFER_DOUBLE_DEVICE": "sm90"}
+        ),
+        backend_config(model_dir, "di1", 1, visible_devices="2"),
+    ]
+    with serve_front_ends(tmp_path, backends) as (process, base):
+        assert wait_until(lambda: len(front_ends(process.pid)) == 2, timeout=60)
+
+        def reasons() -> list[str]:  # new connections: the kernel spreads them over both front ends
+            answers = []
+            for _ in range(8):
+                try:
+                    answers.append(httpx.get(f"{base}/ready", timeout=10).json()["backends"]["hopper"]["reason"])
+                except httpx.TransportError:
+                    return []
+            return answers
+
+        def shown_everywhere() -> bool:
+            seen = reasons()
+            return bool(seen) and all("Hopper and older are refused" in r and restarts_in(r) >= 1 for r in seen)
+
+        assert wait_until(shown_everywhere, timeout=90), reasons()
+        ready = httpx.get(f"{base}/ready")
+        assert ready.status_code == 503 and ready.json()["backends"]["di1"]["ready"]
+        assert answer(base, "di1")
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'gateway_dp_rank_up{backend="hopper",rank="0"} 0.0' in metrics

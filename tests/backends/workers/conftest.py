@@ -63,9 +63,12 @@ class HoldableClock:
                 self._loop.call_soon_threadsafe(callback)
 
 
-def start_with_ranks(config: GatewayConfig, *, ready_timeout: float, holdable_clock: bool = False) -> RunningGateway:
+def start_with_ranks(
+    config: GatewayConfig, *, ready_timeout: float, holdable_clock: bool = False, wait_for: str = "/ready"
+) -> RunningGateway:
     """The gateway of ``config``, whose data-parallel backends are built here so that their supervisors restart a
-    failed group after ``RESTART_BACKOFF`` (and keep time with a ``HoldableClock`` when asked)."""
+    failed group after ``RESTART_BACKOFF`` (and keep time with a ``HoldableClock`` when asked); returns once
+    ``wait_for`` answers 200."""
     built = {}
     for backend_config in config.backends:
         backend = build_backend(backend_config)
@@ -73,7 +76,7 @@ def start_with_ranks(config: GatewayConfig, *, ready_timeout: float, holdable_cl
         if holdable_clock:
             backend.driver.clock = HoldableClock()  # type: ignore[attr-defined]
         built[backend_config.name] = admitted(backend, backend_config)
-    return start_gateway(config, backends=built, ready_timeout=ready_timeout)
+    return start_gateway(config, backends=built, ready_timeout=ready_timeout, wait_for=wait_for)
 
 
 def one_model_per_backend(backends: list[dict[str, object]]) -> GatewayConfig:

@@ -42,6 +42,23 @@ def test_front_end_processes_share_rank_workers_and_deepinfer_engines() -> None:
         {"name": "r", "kind": "reference", "worker_processes": True, "lockstep": True},
         {"name": "r", "kind": "reference", "data_parallel_size": 2, "worker_endpoints": ["ipc:///a", "ipc:///b"]},
         deepinfer,  # the front-end supervisor hosts its engine in a rank worker (tests/gateway/test_scale_out.py)
-        {**deepinfer, "data_parallel_size": 2, "worker_endpoints": ["tcp://a:5600", "tcp://b:5600"]},
+        {**deepinfer, "data_parallel_size": 2, "worker_endpoints": ["tcp://a:5600", "tcp://b:5600"], "rank_keys": "/k"},
     ):
         GatewayConfig(server={"workers": 2}, backends=[backend], models=models)
+
+
+@pytest.mark.parametrize("kind", ["reference", "deepinfer"])
+def test_ranks_reached_beyond_the_loopback_need_rank_keys(kind: str) -> None:
+    backend = {"name": "r", "kind": kind, "data_parallel_size": 2}
+    if kind == "deepinfer":
+        backend.update(model="/models/x", max_model_len=4096)
+    from gateway.config import ConfigError, GatewayConfig
+
+    models = [{"name": "m", "backends": ["r"]}]
+    remote = {**backend, "worker_endpoints": ["tcp://127.0.0.1:5600", "tcp://node-1:5600"]}
+    with pytest.raises((ValidationError, ConfigError), match=r"\['tcp://node-1:5600'\].*set rank_keys"):
+        GatewayConfig(backends=[remote], models=models)
+    GatewayConfig(backends=[{**remote, "rank_keys": "/etc/deepinfer-gateway/rank-keys"}], models=models)
+    local = ["tcp://127.0.0.1:5600", "tcp://localhost:5601"]
+    GatewayConfig(backends=[{**backend, "worker_endpoints": local}], models=models)
+    GatewayConfig(backends=[{**backend, "worker_endpoints": ["ipc:///a", "ipc:///b"]}], models=models)

@@ -15,9 +15,13 @@ import httpx
 import numpy as np
 import orjson
 import structlog
+import zmq
+
+from backends.workers import messages as m
 
 from ...conftest import RunningGateway, logged_error_detail, wait_until
 from .conftest import chat, clock_of, driver_of, holding_rank, open_stream, steps
+from .peer import RankPeer
 
 
 def complete_ids(http: httpx.Client, model: str, ids: list[int]) -> None:
@@ -93,6 +97,47 @@ def test_client_disconnect_aborts_the_request_on_the_rank_that_holds_it(
     assert wait_until(lambda: rank.outstanding == 0)
     # The worker's own engine reports the request gone: the abort reached that rank's engine.
     assert wait_until(lambda: rank.stats is not None and rank.stats.unfinished == 0)
+
+
+def test_a_front_end_whose_event_loop_stalls_holds_its_rank_within_two_steps(
+    dp_gateway: RunningGateway, http: httpx.Client
+) -> None:
+    """Credits: while the front end takes nothing (its loop is blocked, as by a long pause), the rank stops after
+    at most ``STEPS_AHEAD`` steps instead of running its queues full of tokens nobody reads. Seen by a second
+    dispatcher (a raw peer), from the rank's own step counter; the streams then go on unharmed."""
+    driver = driver_of(dp_gateway, "dp")
+    context = zmq.Context()
+    stalled, release = threading.Event(), threading.Event()
+
+    def stall() -> None:  # runs on the front end's event loop: nothing is read or taken until released
+        stalled.set()
+        release.wait(60)
+
+    try:
+        with open_stream(http, "dp", 3000) as stream:
+            next(stream)
+            rank = driver.ranks[holding_rank(dp_gateway, "dp")]
+            observer = RankPeer(context, rank.endpoint, b"observer")
+            observer.hello()
+            assert driver._loop is not None
+            driver._loop.call_soon_threadsafe(stall)
+            assert stalled.wait(30)
+            try:
+                assert rank.stats is not None
+                seen = rank.stats.steps  # the last step the front end read before its loop stalled
+                # The rank reports to the observer every 0.5 s while it steps, and sends a heartbeat only once it has
+                # stopped for a second: waiting for the stalled front end's credit.
+                while observer.receive()[0] != m.HEARTBEAT:
+                    pass
+                assert observer.stats is not None and observer.stats.unfinished == 1
+                assert seen <= observer.stats.steps <= seen + m.STEPS_AHEAD, (seen, observer.stats.steps)
+            finally:
+                release.set()
+            frames = [next(stream) for _ in range(20)]  # the stream goes on once the loop does
+            assert all(frame.startswith("{") for frame in frames)
+    finally:
+        release.set()
+        context.destroy(linger=0)
 
 
 def test_readiness_and_metrics_report_every_rank(dp_gateway: RunningGateway, http: httpx.Client) -> None:

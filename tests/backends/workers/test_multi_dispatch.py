@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 import yaml
@@ -121,6 +122,63 @@ def test_load_reported_by_the_ranks_steers_every_front_end(front_ends: list[Runn
             after = [r.dispatched for r in other_driver.ranks]
             assert after[held] == before[held], "the front end avoided the rank busy with the other's request"
             assert after[1 - held] == before[1 - held] + 4
+
+
+def rank_metric(gateway: RunningGateway, name: str) -> list[float]:
+    """A per-rank family of this front end's ``/metrics``, rank by rank."""
+    return [gateway.metric(name, backend="dp", rank=str(rank)) for rank in range(2)]
+
+
+def test_every_front_end_shows_the_ranks_own_counters_and_gauges(front_ends: list[RunningGateway]) -> None:
+    """Each rank reports its own numbers to every dispatcher: whichever front end a scrape reaches, it shows every
+    request the ranks took, counted once, and what they hold right now (not only its own share)."""
+    dispatched = "gateway_dp_rank_dispatched_requests_total"
+    ranks = [rank for gateway in front_ends for rank in driver_of(gateway, "dp").ranks]
+    assert wait_until(lambda: all(r.stats is not None for r in ranks), timeout=30), "both front ends heard each rank"
+    assert wait_until(lambda: rank_metric(front_ends[0], dispatched) == rank_metric(front_ends[1], dispatched))
+    before = sum(rank_metric(front_ends[0], dispatched))
+    for front, count in ((0, 3), (1, 5)):
+        for i in range(count):
+            seeded_chat(front_ends[front].base_url, f"Counted once {i}?", f"counted-{front}-{i}")
+    for gateway in front_ends:
+        assert wait_until(lambda: sum(rank_metric(gateway, dispatched)) == before + 8), rank_metric(  # noqa: B023
+            gateway, dispatched
+        )
+    with httpx.Client(base_url=front_ends[0].base_url, timeout=60) as http, open_stream(http, "dp", 3000) as s:
+        next(s)
+        held = next(r.index for r in driver_of(front_ends[0], "dp").ranks if r.outstanding == 1)
+        for gateway in front_ends:
+            holding = [1.0 if rank == held else 0.0 for rank in range(2)]
+            assert wait_until(lambda: rank_metric(gateway, "gateway_dp_rank_requests") == holding)  # noqa: B023
+    for gateway in front_ends:
+        assert wait_until(lambda: rank_metric(gateway, "gateway_dp_rank_requests") == [0.0, 0.0])  # noqa: B023
+
+
+def test_a_prefix_goes_to_the_same_rank_whichever_front_end_it_reaches(front_ends: list[RunningGateway]) -> None:
+    """The ranks pass each prompt's prefix hashes on to their other dispatchers: a conversation whose turns reach
+    different front ends keeps going to the rank whose cache holds it."""
+    rng = np.random.default_rng(23)
+    prefixes = [rng.integers(10, 8000, size=640).tolist() for _ in range(4)]
+
+    def complete(front: int, ids: list[int]) -> int:
+        """Sends the prompt through one front end; the rank it went to."""
+        driver = driver_of(front_ends[front], "dp")
+        before = [rank.dispatched for rank in driver.ranks]
+        body = {"model": "dp", "prompt": ids, "max_tokens": 2}
+        response = httpx.post(f"{front_ends[front].base_url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        (rank,) = [r.index for r in driver.ranks if r.dispatched != before[r.index]]
+        return rank
+
+    first = [complete(0, [*prefix, 1000 + i]) for i, prefix in enumerate(prefixes)]
+    assert sorted(first) == [0, 0, 1, 1], "idle ranks take new prefixes in turn"
+    balancer = driver_of(front_ends[1], "dp").balancer
+    for prefix, rank in zip(prefixes, first, strict=True):
+        held = np.asarray([*prefix, 0], dtype=np.int32)
+        assert wait_until(lambda: balancer.holder(held) == (rank, 640)), "the other front end learns where it went"  # noqa: B023
+    order = [0, 2, 1, 3]  # not the order the first front end saw: its turns would not repeat by chance
+    again = [complete(1, [*prefixes[i], 2000 + i]) for i in order]
+    assert again == [first[i] for i in order]
 
 
 def others_on_ranks(gateway: RunningGateway) -> int:
