@@ -27,7 +27,15 @@ from backends.workers.node import NodeShare, bind_address
 from gateway.cli import app
 from gateway.config import load_config
 
-from .test_deploy import CONFIG_DIR, KUBERNETES_DIR, KUBERNETES_VERSIONS, load_resources, no_network  # noqa: F401
+from .test_deploy import (  # noqa: F401
+    CONFIG_DIR,
+    KUBERNETES_DIR,
+    KUBERNETES_VERSIONS,
+    assert_probes_use_the_probe_listener,
+    configured_server,
+    load_resources,
+    no_network,
+)
 
 MULTINODE_DIR = KUBERNETES_DIR / "deepinfer-multinode"
 CONFIG = CONFIG_DIR / "deepinfer-multinode.yaml"
@@ -327,8 +335,16 @@ def test_only_the_gateway_reaches_the_rank_ports_and_only_the_group_the_rest() -
     served = load_config(CONFIG).server.port
     assert ports(container("leader", "gateway"))["http"] == served
     assert [] in reaching(served), "the API is open to every client, as the Service exposes it"
+    probe_port = configured_server(container("leader", "gateway"), CONFIG).probe_port
+    assert probe_port is not None and [] in reaching(probe_port), "Prometheus scrapes the probe listener"
     covered = {port for spans in by_ports for low, high in spans for port in range(low, high + 1)}
     assert covered == set(range(1, 65536)), "no port of the group is left closed to its own ranks"
+
+
+def test_the_gateways_probes_and_scrapes_go_to_its_probe_listener() -> None:
+    lws = multinode("LeaderWorkerSet")
+    served = load_config(CONFIG).server.port
+    assert_probes_use_the_probe_listener(pod_template(lws, "leader"), container("leader", "gateway"), CONFIG, served)
 
 
 def test_each_container_mounts_the_rank_keys_it_needs_where_rank_keys_points(tmp_path: Path) -> None:
