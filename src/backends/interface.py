@@ -9,7 +9,12 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
+
+from backends.streams import interleave as interleave  # part of the surface: the gateway merges choices and prompts
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 PromptKind = Literal["chat", "text", "tokens"]
 
@@ -312,4 +317,92 @@ class TokenizingBackend(Protocol):
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Each id's vocabulary entry, as the tokenizer spells it (byte-level characters for DeepSeek's)."""
+        ...
+
+
+@runtime_checkable
+class FingerprintedBackend(Protocol):
+    """Optional capability of a backend: the ``system_fingerprint`` its responses carry (engine, version, ...)."""
+
+    @property
+    def fingerprint(self) -> str | None: ...
+
+
+class EngineCounters(Protocol):
+    """An engine driver's running totals, read at scrape time (single writer, no locks)."""
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def tokens(self) -> int: ...
+
+    @property
+    def busy_seconds(self) -> float: ...
+
+    @property
+    def engine_seconds(self) -> float: ...
+
+    @property
+    def backpressure_seconds(self) -> float: ...
+
+
+class EngineDriverView(Protocol):
+    """What ``/metrics`` reads of the driver that steps a backend's engine."""
+
+    @property
+    def stats(self) -> EngineCounters: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+@runtime_checkable
+class DrivenBackend(Protocol):
+    """Optional capability of a backend: an engine driver whose counters ``/metrics`` exports."""
+
+    @property
+    def driver(self) -> EngineDriverView: ...
+
+
+@runtime_checkable
+class MetricSamplesBackend(Protocol):
+    """Optional capability of a backend: engine statistics as ``(name, kind, help, value)``, exported as
+    ``gateway_<name>{backend}`` without the gateway knowing the engine behind them."""
+
+    def metric_samples(self) -> Sequence[tuple[str, str, str, float]]: ...
+
+
+@runtime_checkable
+class MetricFamiliesBackend(Protocol):
+    """Optional capability of a backend: metric families with labels of its own (per upstream node, per rank)."""
+
+    def metric_families(self) -> list[Metric]: ...
+
+
+class RankHosting(Protocol):
+    """A backend's rank workers, run once by the front-end supervisor for every front end: started, watched
+    (``descriptors`` end when a rank exits) and relaunched by the supervisor's loop, stopped after the last front
+    end; the front ends reach them at ``endpoints``."""
+
+    endpoints: list[str]
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def descriptors(self) -> list[int]: ...
+
+    def timeout(self, now: float) -> float | None: ...
+
+    def on_exited(self, ready: list[object], now: float) -> None: ...
+
+    def relaunch_due(self, now: float) -> None: ...
+
+
+class RankNodeRun(Protocol):
+    """This node's share of a backend's rank workers (``deepinfer-gateway ranks``), ready to run."""
+
+    def run(self) -> int:
+        """Serves until the group stops; the process's exit status."""
         ...

@@ -18,8 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from backends.errors import BackendError, BackendTimeoutError, SlowClientError
-from backends.interface import Delta, Event, Finish, PromptEcho, Usage
-from backends.streams import interleave
+from backends.interface import Delta, Event, Finish, PromptEcho, Usage, interleave
 from gateway.bursts import BurstReader
 from gateway.errors import APIError, api_error_from_backend, public_error
 from gateway.metrics import RequestObserver

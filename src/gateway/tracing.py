@@ -240,7 +240,7 @@ class BackendCall:
         self._finishes: list[str] = []
         self._usage: Usage | None = None
         self._ended = False
-        self.backend: Backend = _TracedBackend(backend, self)  # type: ignore[assignment]
+        self.backend: Backend = _TracedBackend(backend, self)
 
     # ---- CallTrace: what the backend reports ----------------------------------------------------------------
 
@@ -308,19 +308,37 @@ class BackendCall:
 
 
 class _TracedBackend:
-    """A backend as one traced call sees it: the requests it is asked to generate carry the call's trace."""
+    """A backend as one traced call sees it: the requests it is asked to generate carry the call's trace; its
+    optional capabilities are ``inner``'s (``gateway.capabilities``)."""
 
-    __slots__ = ("_backend", "_call")
+    __slots__ = ("_call", "inner")
 
     def __init__(self, backend: Backend, call: BackendCall) -> None:
-        self._backend = backend
+        self.inner = backend
         self._call = call
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+    def readiness(self) -> tuple[bool, str]:
+        return self.inner.readiness()
+
+    def max_model_len(self) -> int | None:
+        return self.inner.max_model_len()
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        return self._backend.generate(dataclasses.replace(request, trace=self._call))
+        return self.inner.generate(dataclasses.replace(request, trace=self._call))
 
 
 def _request_attributes(attributes: dict[str, TraceValue], request: GenerateRequest) -> None:

@@ -22,6 +22,7 @@ from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.anthropic.signatures import ThinkingSigner
 from gateway.anthropic.translate import generate_request, messages_terms
 from gateway.bodies import OffloadedJSONRoute
+from gateway.capabilities import capability
 from gateway.errors import APIError
 from gateway.limits import admitted
 from gateway.routes.generate import _limits, _respond
@@ -110,8 +111,8 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
         )
         backend = state.router.backends_of(model)[0]
         try:
-            if isinstance(backend, TokenizingBackend):
-                count = len(await backend.tokenize(generate))
+            if (tokenizing := capability(backend, TokenizingBackend)) is not None:
+                count = len(await tokenizing.tokenize(generate))
             else:
                 count = await _prompt_tokens_by_generating(backend, generate)
         except InvalidRequestError as exc:
