@@ -95,6 +95,42 @@ def test_neither_gateway_nor_backends_import_the_benchmark() -> None:
     assert not violations, "serving code imports the benchmark:\n" + "\n".join(map(str, violations))
 
 
+class Probe(NamedTuple):
+    module: str
+    what: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.module}: {self.what} (line {self.line})"
+
+
+def _backend_probes(path: Path, source: str | None = None) -> Iterator[Probe]:
+    """``getattr``/``hasattr`` on something named a backend, and ``__getattr__`` forwarding: capabilities are
+    protocols of ``backends.interface``, found with ``gateway.capabilities``, never probed for by name."""
+    module = _module_name(path)
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source, filename=str(path))):
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            yield Probe(module, "defines __getattr__", node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and node.args
+            and "backend" in ast.unparse(node.args[0]).lower()
+        ):
+            yield Probe(module, f"{node.func.id} on {ast.unparse(node.args[0])}", node.lineno)
+
+
+def test_the_gateway_never_probes_a_backend_for_attributes() -> None:
+    probes = [
+        probe
+        for path in sorted((SRC / "gateway").rglob("*.py"))
+        if not any(_within(_module_name(path), outside) for outside in OUTSIDE_THE_GATEWAY)
+        for probe in _backend_probes(path)
+    ]
+    assert not probes, "the gateway probes backends by attribute name:\n" + "\n".join(map(str, probes))
+
+
 def test_the_rule_sees_imports_inside_functions_and_relative_ones() -> None:
     """The walker itself: a lazy import and a relative one are both found, and judged by where they lead."""
     probe = SRC / "gateway" / "routes" / "layers_probe.py"  # never written: its source is given
@@ -103,3 +139,17 @@ def test_the_rule_sees_imports_inside_functions_and_relative_ones() -> None:
     assert found[2] == Import("gateway.routes.layers_probe", "backends.engine.driver.DriverStats", 2)
     assert found[3] == Import("gateway.routes.layers_probe", "gateway.capabilities.capability", 3)
     assert _beyond_surface(found[2]) and not _beyond_surface(found[3])
+
+
+def test_the_probe_rule_sees_getattr_on_a_backend_and_forwarding() -> None:
+    probe = SRC / "gateway" / "routes" / "layers_probe.py"  # never written: its source is given
+    source = (
+        "def f(backend, request):\n"
+        "    getattr(request.state, 'log', None)\n"
+        "    return getattr(backend, 'fingerprint', None)\n"
+        "class W:\n"
+        "    def __getattr__(self, name):\n"
+        "        return name\n"
+    )
+    found = {item.line: item.what for item in _backend_probes(probe, source)}
+    assert found == {3: "getattr on backend", 5: "defines __getattr__"}
