@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from gateway.openai.protocol import (
+from gateway.openai.parameters import (
     MAX_TOKENS_LIMIT,
     TOOL_NAME,
     EmptyArray,

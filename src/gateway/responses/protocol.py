@@ -14,7 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 from backends.interface import SamplingOptions
-from gateway.openai.protocol import MAX_TOKENS_LIMIT, TOOL_NAME, UnsupportedParameter, WholeInt
+from gateway.openai.parameters import MAX_TOKENS_LIMIT, UnsupportedParameter, WholeInt
+from gateway.openai.tools import RESPONSES_TOOLS, check_function_tools
 
 SUPPORTED_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")
 """``include`` values accepted. Reasoning is returned in plain text (``content``), never encrypted, so
@@ -133,21 +134,7 @@ class CreateResponseRequest(_Body):
     @field_validator("tools")
     @classmethod
     def _function_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        names: set[str] = set()
-        for i, tool in enumerate(value or ()):
-            if tool.get("type") != "function":
-                raise UnsupportedParameter(
-                    f"[{i}].type", f"only function tools are supported, not {tool.get('type')!r}"
-                )
-            name = tool.get("name")
-            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-                raise UnsupportedParameter(f"[{i}].name", "must be 1-64 letters, digits, underscores or dashes")
-            if name in names:
-                raise UnsupportedParameter(f"[{i}].name", f"{name!r} is given twice")
-            names.add(name)
-            parameters = tool.get("parameters")
-            if parameters is not None and not isinstance(parameters, dict):
-                raise UnsupportedParameter(f"[{i}].parameters", "must be a JSON Schema object")
+        check_function_tools(value, RESPONSES_TOOLS)
         return value
 
     @field_validator("tool_choice")
