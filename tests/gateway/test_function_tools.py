@@ -1,4 +1,4 @@
-"""The chat and Responses APIs refuse a function tool the same way: one validator, the same 400, each API's path."""
+"""The chat and Responses APIs refuse a function tool or a tool_choice the same way: one validator, each API's path."""
 
 from __future__ import annotations
 
@@ -110,3 +110,76 @@ def test_both_request_models_raise_the_same_parameter_error(
     assert type(chat) is type(responses) and chat.code == responses.code == code
     assert chat.why == responses.why
     assert chat.where.replace(".function.", ".") == responses.where
+
+
+def chat_choice(name: object) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+def responses_choice(name: object) -> dict[str, Any]:
+    return {"type": "function", "name": name}
+
+
+# (id, the tools declared, the chat tool_choice, the Responses one, the chat param, the Responses param, the code)
+BAD_CHOICES = [
+    pytest.param([], "sometimes", "sometimes", "tool_choice", "tool_choice", "invalid_value", id="unknown-mode"),
+    pytest.param([], "required", "required", "tool_choice", "tool_choice", None, id="required-without-tools"),
+    pytest.param(
+        [WEATHER],
+        chat_choice("get_time"),
+        responses_choice("get_time"),
+        "tool_choice",
+        "tool_choice",
+        None,
+        id="names-a-function-not-in-tools",
+    ),
+    pytest.param(
+        [WEATHER],
+        chat_choice(5),
+        responses_choice(5),
+        "tool_choice.function.name",
+        "tool_choice.name",
+        "invalid_value",
+        id="name-not-a-string",
+    ),
+    pytest.param(
+        [WEATHER],
+        {"type": "allowed_tools", "mode": "auto", "tools": []},
+        {"type": "allowed_tools", "mode": "auto", "tools": []},
+        "tool_choice.type",
+        "tool_choice.type",
+        "unsupported_value",
+        id="allowed-tools",
+    ),
+    pytest.param(
+        [WEATHER],
+        {"type": "tool", "name": "get_weather"},
+        {"type": "tool", "name": "get_weather"},
+        "tool_choice.type",
+        "tool_choice.type",
+        "invalid_value",
+        id="unknown-type",
+    ),
+]
+
+
+@pytest.mark.parametrize(("functions", "chat_choice", "responses_choice", "chat_param", "param", "code"), BAD_CHOICES)
+def test_a_bad_tool_choice_gets_the_same_400_from_chat_and_responses(
+    http: httpx.Client,
+    functions: list[dict[str, Any]],
+    chat_choice: object,
+    responses_choice: object,
+    chat_param: str,
+    param: str,
+    code: str | None,
+) -> None:
+    chat_body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": chat_choice}
+    responses_body: dict[str, Any] = {"input": "hi", "tool_choice": responses_choice}
+    if functions:
+        chat_body["tools"] = [chat_tool(f) for f in functions]
+        responses_body["tools"] = [responses_tool(f) for f in functions]
+    chat = _error(http, "/v1/chat/completions", chat_body)
+    responses = _error(http, "/v1/responses", responses_body)
+    assert (chat["param"], responses["param"]) == (chat_param, param)
+    assert chat["code"] == responses["code"] == code
+    assert _why(chat) == _why(responses)

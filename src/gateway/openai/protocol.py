@@ -22,7 +22,7 @@ from gateway.openai.parameters import (
     shown,
     unencodable_text,
 )
-from gateway.openai.tools import CHAT_TOOLS, check_function_tools
+from gateway.openai.tools import CHAT_TOOLS, check_function_tools, check_tool_choice, tool_choice_problem
 
 MAX_STOP_SEQUENCES = 16
 RESPONSE_FORMATS = {"text": None, "json_object": None, "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
@@ -260,20 +260,7 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_shape(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if isinstance(value, str):
-            if value not in ("none", "auto", "required"):
-                raise ParameterError("", "expected 'none', 'auto', 'required' or a function object")
-        elif value is not None:
-            kind = value.get("type")
-            if kind in ("allowed_tools", "custom"):
-                raise UnsupportedParameter(".type", f"tool_choice of type {shown(kind)} is not supported")
-            if kind != "function":
-                raise ParameterError(".type", f"expected 'function', got {shown(kind)}")
-            function = value.get("function")
-            if not isinstance(function, dict):
-                raise ParameterError(".function", 'expected {"name": ...}')
-            if not isinstance(function.get("name"), str):
-                raise ParameterError(".function.name", "expected a string")
+        check_tool_choice(value, CHAT_TOOLS)
         return value
 
     @field_validator("response_format")
@@ -307,16 +294,7 @@ class ChatCompletionRequest(_Sampling):
 
     def tool_choice_problem(self) -> str | None:
         """Why ``tool_choice`` does not fit ``tools`` (OpenAI answers these with a 400), or None."""
-        choice = self.tool_choice
-        if choice in (None, "none", "auto"):
-            return None
-        if not self.tools:
-            return "tool_choice 'required' or a named function needs tools"
-        if isinstance(choice, dict):
-            name = choice["function"]["name"]
-            if all(tool["function"]["name"] != name for tool in self.tools):
-                return f"tool_choice names the function {shown(name)}, which is not in tools"
-        return None
+        return tool_choice_problem(self.tool_choice, self.tools, CHAT_TOOLS)
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 
 from backends.interface import SamplingOptions
 from gateway.openai.parameters import MAX_TOKENS_LIMIT, UnsupportedParameter, WholeInt
-from gateway.openai.tools import RESPONSES_TOOLS, check_function_tools
+from gateway.openai.tools import RESPONSES_TOOLS, check_function_tools, check_tool_choice, tool_choice_problem
 
 SUPPORTED_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")
 """``include`` values accepted. Reasoning is returned in plain text (``content``), never encrypted, so
@@ -140,11 +140,7 @@ class CreateResponseRequest(_Body):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_shape(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if isinstance(value, str):
-            if value not in ("none", "auto", "required"):
-                raise UnsupportedParameter("", "expected 'none', 'auto', 'required' or a function object")
-        elif value is not None and (value.get("type") != "function" or not isinstance(value.get("name"), str)):
-            raise UnsupportedParameter("", 'expected {"type": "function", "name": ...}')
+        check_tool_choice(value, RESPONSES_TOOLS)
         return value
 
     @field_validator("include")
@@ -173,13 +169,6 @@ class CreateResponseRequest(_Body):
             raise UnsupportedParameter("text.verbosity", "only 'medium' is supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options needs stream: true")
-        if self.tool_choice not in (None, "none", "auto"):
-            if not self.tools:
-                raise UnsupportedParameter("tool_choice", "tool_choice 'required' or a named function needs tools")
-            if isinstance(self.tool_choice, dict) and all(t["name"] != self.tool_choice["name"] for t in self.tools):
-                raise UnsupportedParameter(
-                    "tool_choice", f"tool_choice names the function {self.tool_choice['name']!r}, which is not in tools"
-                )
         return self
 
     # The chat request it stands for.
@@ -188,6 +177,10 @@ class CreateResponseRequest(_Body):
         """The input as canonical items (the validator has converted it)."""
         assert isinstance(self.input, list)
         return self.input
+
+    def tool_choice_problem(self) -> str | None:
+        """Why ``tool_choice`` does not fit ``tools`` (the 400 chat gives for it), or None."""
+        return tool_choice_problem(self.tool_choice, self.tools, RESPONSES_TOOLS)
 
     def stores(self) -> bool:
         return self.store is not False

@@ -78,6 +78,9 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     state = gateway_state(request)
     server = state.config.server
     owner = request_owner(request)
+    problem = body.tool_choice_problem()
+    if problem is not None:
+        raise APIError(400, problem, param="tool_choice")
     history, history_tokens = (
         await _history(state, body.previous_response_id, owner) if body.previous_response_id else ([], 0)
     )
