@@ -15,7 +15,7 @@ With ``--pin`` (the default on a machine with at least 2 cores) every proxy runs
 this load generator on core 1, so each proxy gets the same single core and never competes with the load.
 
 The upstream is started by the script (``--upstream reference``: a second instance of this gateway on the CPU
-reference engine, timing model off; ``--upstream fake``: ``gateway.bench.fake_upstream``, the cheapest possible
+reference engine, timing model off; ``--upstream fake``: ``loadgen.fake_upstream``, the cheapest possible
 server, best for sub-millisecond deltas) or given as a URL. In every round, each (mode, concurrency) cell runs
 every target for ``--round-seconds`` in a rotated order, so drift and noise hit all targets alike. Reported per
 cell: latency p50/p99 (non-streaming) and TTFT / end-to-end p50/p99 (streaming) as the median over rounds of
@@ -47,8 +47,8 @@ import aiohttp
 import numpy as np
 import orjson
 
-from gateway.bench.client import RequestRecord, plain_request, stream_request
-from gateway.bench.loadgen import run_event_loop
+from loadgen.arrivals import run_event_loop
+from loadgen.client import RequestRecord, plain_request, stream_request
 
 from _gateway import free_port
 
@@ -139,7 +139,7 @@ def start_upstream(kind: str, model: str | None, workdir: Path, pace_ms: float) 
     elif kind == "fake":
         port = free_port()
         log = workdir / "upstream.log"
-        command = [sys.executable, "-m", "gateway.bench.fake_upstream", "--port", str(port), "--pace-ms", str(pace_ms)]
+        command = [sys.executable, "-m", "loadgen.fake_upstream", "--port", str(port), "--pace-ms", str(pace_ms)]
         target = Target("direct", f"http://127.0.0.1:{port}", "fake", start(command, log, cores=LOAD_CORES), log=log)
         ready = "/health"
     else:

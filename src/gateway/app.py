@@ -24,9 +24,10 @@ from gateway.errors import install_error_handlers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
-from gateway.response_store import StoredResponses, open_response_store
+from gateway.responses import route as responses
+from gateway.responses.store import StoredResponses, open_response_store
 from gateway.router import ModelRouter
-from gateway.routes import admin, generate, messages, models, operations, responses, tokenize
+from gateway.routes import admin, generate, messages, models, operations, tokenize
 from gateway.state import GatewayState
 from gateway.state_store import SharedStateStore
 from gateway.tracing_config import TracingConfig

@@ -159,7 +159,7 @@ def config_check(
 
 
 def _positive_int(text: str, option: str) -> int:
-    from gateway.bench.config import BenchConfigError
+    from loadgen.config import BenchConfigError
 
     if not text.isdigit() or int(text) < 1:
         raise BenchConfigError(f"{option}: {text!r} is not a positive integer or auto")
@@ -213,8 +213,14 @@ def bench(
     """Benchmark OpenAI-compatible servers: TTFT, TPOT, ITL, E2E percentiles, throughput, goodput and cost."""
     import json
 
-    from gateway.bench.config import BenchConfig, BenchConfigError, LengthSpec, parse_levels, parse_slo
-    from gateway.bench.runner import BenchRun
+    try:  # the load generator is a package of its own, which the server image leaves out
+        from loadgen.config import BenchConfig, BenchConfigError, LengthSpec, parse_levels, parse_slo
+        from loadgen.runner import BenchRun
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "loadgen":
+            raise
+        typer.echo("bench needs the loadgen package, which this installation (the server image) leaves out", err=True)
+        raise typer.Exit(2) from exc
 
     try:
         extra = json.loads(extra_body) if extra_body else {}

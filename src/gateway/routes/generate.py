@@ -17,8 +17,8 @@ from gateway.capabilities import system_fingerprint
 from gateway.errors import APIError
 from gateway.limits import KeyLimits, Reservation, admitted
 from gateway.metrics import RequestObserver
+from gateway.openai.output import ChatFormat, CompletionFormat
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.openai.responses import ChatFormat, CompletionFormat
 from gateway.routing.stream import RoutedStream
 from gateway.state import GatewayState, gateway_state
 from gateway.streaming import Completion, Timeouts, merge_prompts, stream_response, whole_response

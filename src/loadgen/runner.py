@@ -19,9 +19,9 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from gateway import __version__
 
 from . import plots, report
+from .arrivals import ShareResult, run_event_loop, run_shares
 from .client import RequestRecord
 from .config import BenchConfig, LoadPoint
-from .loadgen import ShareResult, run_event_loop, run_shares
 from .metrics import DEFINITIONS, compute_metrics, summarize
 from .workload import DatasetRow, load_dataset
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.bench.client import RequestRecord
-from gateway.bench.metrics import compute_metrics, meets_slo, summarize, tpot
+from loadgen.client import RequestRecord
+from loadgen.metrics import compute_metrics, meets_slo, summarize, tpot
 
 # Four requests of one load point (times in seconds since the point started):
 # A: 7 tokens (server usage) in 4 chunks at 0.10, 0.12, 0.14, 0.16 after a role-only chunk at 0.05; ends 0.17.

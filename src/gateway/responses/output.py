@@ -19,8 +19,8 @@ import orjson
 
 from backends.interface import Delta, Finish, PromptEcho, ToolCallDelta, Usage
 from gateway.errors import APIError
-from gateway.openai.responses import chat_logprobs
-from gateway.openai.responses_api import CreateResponseRequest, new_id
+from gateway.openai.output import chat_logprobs
+from gateway.responses.protocol import CreateResponseRequest, new_id
 from gateway.sse import PING_FRAME
 
 Frames = list[bytes] | None  # where stream events go; None when building a whole response

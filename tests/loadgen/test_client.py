@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway.bench.client import RequestRecord, stream_request
+from loadgen.client import RequestRecord, stream_request
 
 ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.bench.config import BenchConfig, BenchConfigError, LengthSpec, LoadPoint, parse_levels, parse_slo
-from gateway.bench.loadgen import arrival_times
-from gateway.bench.workload import Workload, load_dataset, request_body
+from loadgen.arrivals import arrival_times
+from loadgen.config import BenchConfig, BenchConfigError, LengthSpec, LoadPoint, parse_levels, parse_slo
+from loadgen.workload import Workload, load_dataset, request_body
 
 
 def config(**kwargs: object) -> BenchConfig:

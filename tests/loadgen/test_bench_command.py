@@ -25,11 +25,11 @@ import pytest
 from PIL import Image
 from rich.console import Console
 
-import gateway.bench
-from gateway.bench import plots
-from gateway.bench.config import BenchConfig, LengthSpec
-from gateway.bench.runner import BenchRun
+import loadgen
 from gateway.config import GatewayConfig
+from loadgen import plots
+from loadgen.config import BenchConfig, LengthSpec
+from loadgen.runner import BenchRun
 
 from ..conftest import RunningGateway, start_gateway, stop_gateway
 
@@ -40,7 +40,7 @@ DECODE_S_PER_STEP = 0.02
 TOKENS_PER_STEP = 2
 OUTPUT_TOKENS = 25  # first token at prefill, then 24 tokens in 12 decode steps of 20 ms: TPOT 10 ms, ITL 20 ms
 LOW = 0.95
-SCHEMA = Path(gateway.bench.__file__).with_name("results.schema.json")
+SCHEMA = Path(loadgen.__file__).with_name("results.schema.json")
 
 
 @pytest.fixture(scope="module")

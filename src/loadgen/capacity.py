@@ -2,7 +2,7 @@
 
 Reports, per load, the client's CPU seconds per wall second and the SSE chunks and requests it handled per CPU
 second; the latter, at 100% of a core, is one process's ceiling. Run on an otherwise idle machine:
-``python -m gateway.bench.capacity`` (a minute). ``--workers auto`` in ``deepinfer-gateway bench`` keeps each
+``python -m loadgen.capacity`` (a minute). ``--workers auto`` in ``deepinfer-gateway bench`` keeps each
 process at a fraction of the ceiling measured here (docs/bench.md).
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from .arrivals import run_event_loop, run_shares
 from .config import BenchConfig, LengthSpec, LoadPoint
-from .loadgen import run_event_loop, run_shares
 from .metrics import compute_metrics
 
 
@@ -32,7 +32,7 @@ def _free_port() -> int:
 
 def start_fake(pace_ms: float) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
-    command = [sys.executable, "-m", "gateway.bench.fake_upstream", "--port", str(port), "--pace-ms", str(pace_ms)]
+    command = [sys.executable, "-m", "loadgen.fake_upstream", "--port", str(port), "--pace-ms", str(pace_ms)]
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
 

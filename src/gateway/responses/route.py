@@ -23,7 +23,8 @@ from gateway.auth import request_owner
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
 from gateway.limits import admitted
-from gateway.openai.responses_api import (
+from gateway.responses.output import ResponsesFormat, response_envelope
+from gateway.responses.protocol import (
     CreateResponseRequest,
     chat_messages,
     new_id,
@@ -31,8 +32,8 @@ from gateway.openai.responses_api import (
     responses_param,
     unmatched_call_output,
 )
-from gateway.openai.responses_output import ResponsesFormat, response_envelope
-from gateway.response_store import StoredResponse, StoredResponses
+from gateway.responses.records import StoredResponse
+from gateway.responses.store import StoredResponses
 from gateway.routes.generate import _respond
 from gateway.state import GatewayState, gateway_state
 
@@ -77,6 +78,9 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     state = gateway_state(request)
     server = state.config.server
     owner = request_owner(request)
+    problem = body.tool_choice_problem()
+    if problem is not None:
+        raise APIError(400, problem, param="tool_choice")
     history, history_tokens = (
         await _history(state, body.previous_response_id, owner) if body.previous_response_id else ([], 0)
     )

@@ -14,7 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 from backends.interface import SamplingOptions
-from gateway.openai.protocol import MAX_TOKENS_LIMIT, TOOL_NAME, UnsupportedParameter, WholeInt
+from gateway.openai.parameters import MAX_TOKENS_LIMIT, UnsupportedParameter, WholeInt
+from gateway.openai.tools import RESPONSES_TOOLS, check_function_tools, check_tool_choice, tool_choice_problem
 
 SUPPORTED_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")
 """``include`` values accepted. Reasoning is returned in plain text (``content``), never encrypted, so
@@ -133,31 +134,13 @@ class CreateResponseRequest(_Body):
     @field_validator("tools")
     @classmethod
     def _function_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        names: set[str] = set()
-        for i, tool in enumerate(value or ()):
-            if tool.get("type") != "function":
-                raise UnsupportedParameter(
-                    f"[{i}].type", f"only function tools are supported, not {tool.get('type')!r}"
-                )
-            name = tool.get("name")
-            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-                raise UnsupportedParameter(f"[{i}].name", "must be 1-64 letters, digits, underscores or dashes")
-            if name in names:
-                raise UnsupportedParameter(f"[{i}].name", f"{name!r} is given twice")
-            names.add(name)
-            parameters = tool.get("parameters")
-            if parameters is not None and not isinstance(parameters, dict):
-                raise UnsupportedParameter(f"[{i}].parameters", "must be a JSON Schema object")
+        check_function_tools(value, RESPONSES_TOOLS)
         return value
 
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_shape(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if isinstance(value, str):
-            if value not in ("none", "auto", "required"):
-                raise UnsupportedParameter("", "expected 'none', 'auto', 'required' or a function object")
-        elif value is not None and (value.get("type") != "function" or not isinstance(value.get("name"), str)):
-            raise UnsupportedParameter("", 'expected {"type": "function", "name": ...}')
+        check_tool_choice(value, RESPONSES_TOOLS)
         return value
 
     @field_validator("include")
@@ -186,13 +169,6 @@ class CreateResponseRequest(_Body):
             raise UnsupportedParameter("text.verbosity", "only 'medium' is supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options needs stream: true")
-        if self.tool_choice not in (None, "none", "auto"):
-            if not self.tools:
-                raise UnsupportedParameter("tool_choice", "tool_choice 'required' or a named function needs tools")
-            if isinstance(self.tool_choice, dict) and all(t["name"] != self.tool_choice["name"] for t in self.tools):
-                raise UnsupportedParameter(
-                    "tool_choice", f"tool_choice names the function {self.tool_choice['name']!r}, which is not in tools"
-                )
         return self
 
     # The chat request it stands for.
@@ -201,6 +177,10 @@ class CreateResponseRequest(_Body):
         """The input as canonical items (the validator has converted it)."""
         assert isinstance(self.input, list)
         return self.input
+
+    def tool_choice_problem(self) -> str | None:
+        """Why ``tool_choice`` does not fit ``tools`` (the 400 chat gives for it), or None."""
+        return tool_choice_problem(self.tool_choice, self.tools, RESPONSES_TOOLS)
 
     def stores(self) -> bool:
         return self.store is not False

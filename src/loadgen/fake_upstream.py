@@ -6,7 +6,7 @@ LMDeploy ``api_server``: ``GET /health`` (``{"status": "healthy"}``), ``GET /v1/
 ``POST /v1/chat/completions`` (streaming with usage, or not), one token per chunk, ``max_tokens`` tokens
 (default 64), a chunk every ``--pace-ms`` (0: all at once).
 
-Run: ``python -m gateway.bench.fake_upstream --port 9000 --pace-ms 20``.
+Run: ``python -m loadgen.fake_upstream --port 9000 --pace-ms 20``.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--pace-ms", type=float, default=0.0, help="milliseconds between chunks of a stream")
     args = parser.parse_args()
-    from .loadgen import run_event_loop
+    from .arrivals import run_event_loop
 
     run_event_loop(serve(args.host, args.port, args.pace_ms / 1000))
 
