@@ -17,9 +17,10 @@ the same Task as the rest (it does: ``ready`` is called from the request's own c
 dropped: :meth:`BurstReader.aclose` throws ``CancelledError`` into it, as a cancelled ``await`` would, so the
 backend's cleanup (aborting its work) runs before the iterator is closed.
 
-Why not a plain ``async for``: measured with ``bench/gateway_overhead.py --stream-variants`` (issue 25), Starlette's
-``StreamingResponse`` with one write per event used 1.21x / 1.39x this gateway's CPU per request at concurrency
-1 / 64 (upstream pacing chunks 1 ms apart), and 1.13x / 1.16x with this reader in front of it.
+Why not a plain ``async for``: measured with ``bench/gateway_overhead.py --stream-variants`` (issue 25; the table
+is in the README, "Why not sse-starlette"), Starlette's ``StreamingResponse`` writing one frame per event used a
+median 1.17x this gateway's CPU per streamed request (0.95x-1.39x), and with this reader in front of it
+0.93x-1.35x (the noise of a shared machine; these runs do not tell the reader's share apart more finely).
 """
 
 from __future__ import annotations

@@ -28,13 +28,13 @@ runs every stream in an anyio task group with a second task listening for the di
 timeout need a timer task and an ``asyncio.timeout`` per send beside it; sse-starlette's ``EventSourceResponse``
 uses four tasks per stream, a task group and a lock plus a cancel scope per write. Both were measured in place of
 this module (and of ``gateway.bursts``) with ``bench/gateway_overhead.py --stream-variants`` (issue 25: fake
-upstream, 64-chunk streams, every variant pinned to the same core, interleaved, median of 5 rounds): gateway CPU
-per streamed request at concurrency 1 / 64 was 3.90 / 2.34 ms here, 3.69 / 2.87 ms (0.95x / 1.23x) with
-``StreamingResponse`` plus a ping timer, 4.35 / 3.33 ms (1.12x / 1.43x) with sse-starlette; with the upstream
-pacing chunks 1 ms apart, 11.7 / 2.97 ms here against 1.21x / 1.39x and 1.21x / 1.72x, and time to first token at
-concurrency 64 rose by 1.53x (StreamingResponse) and 3.56x (sse-starlette) of what this gateway adds. Earlier,
-against a whole (non-streamed) response on the same upstream, sse-starlette added about 0.8 ms of CPU per stream
-and this writer 0.1-0.3 ms (issue 15).
+upstream, 64-chunk streams, every variant pinned to the same core, interleaved; the table is in the README, "Why
+not sse-starlette"): gateway CPU per streamed request was a median 1.17x ours with ``StreamingResponse`` plus a
+ping timer (0.95x-1.39x over eight cells: concurrency 1 and 64, chunks at once or 1 ms apart, two runs each) and
+1.11x-1.72x with sse-starlette; at concurrency 64, chunks 1 ms apart, the time to first token the gateway adds was
+1.35x-1.53x (``StreamingResponse``) and 3.6x-4.5x (sse-starlette) ours. Earlier, against a whole (non-streamed)
+response on the same upstream, sse-starlette added about 0.8 ms of CPU per stream and this writer 0.1-0.3 ms
+(issue 15).
 """
 
 from __future__ import annotations
