@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 
@@ -36,10 +36,10 @@ async def interleave(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple
             if ended:
                 remaining -= 1
             else:
-                yield index, item  # type: ignore[misc]
+                yield index, cast(T, item)  # neither an error nor the end: one of the stream's items
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()  # type: ignore[attr-defined]  # backends' generate() is an async generator

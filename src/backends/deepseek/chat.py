@@ -13,7 +13,7 @@ except that effort ``none``/``minimal`` always means chat mode). Otherwise the b
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -65,7 +65,7 @@ class DeepSeekV41ChatTemplate:
     """Renders chat requests in the V4.1 format and says how to decode and parse their output."""
 
     features = frozenset(REQUEST_FEATURES)
-    output_markers = OUTPUT_MARKERS
+    output_markers: Sequence[str] = OUTPUT_MARKERS
 
     def __init__(self, *, default_thinking: bool = False) -> None:
         self.default_thinking = default_thinking
@@ -95,11 +95,12 @@ class DeepSeekV41ChatTemplate:
             )
         single_call = request.parallel_tool_calls is False
         if forced is not None:
-            _check_forced_sizes(forced, tools)  # type: ignore[arg-type]
+            assert tools is not None, "a forced call is among the request's tools"
+            _check_forced_sizes(forced, tools)
             try:
                 grammar = tool_call_grammar([tool["function"] for tool in forced], parallel=not single_call)
             except ToolSchemaError as exc:
-                where = f"tools[{tools.index(forced[exc.index])}].function.parameters"  # type: ignore[union-attr]
+                where = f"tools[{tools.index(forced[exc.index])}].function.parameters"
                 if exc.where:
                     where += "." + exc.where
                 raise InvalidRequestError(f"{where}: {exc}", param=where) from None
@@ -203,14 +204,18 @@ def _tool_choice(
     if tool_choice is None:
         return ("auto" if tools else "none"), None
     if tool_choice in ("none", "auto"):
-        return tool_choice, None  # type: ignore[return-value]
+        return tool_choice, None
     if not tools:
         raise InvalidRequestError("tool_choice requires tools to be given", param="tool_choice")
     if tool_choice == "required":
         return "required", tools
     function = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
     name = function.get("name") if isinstance(function, Mapping) else None
-    if not isinstance(name, str) or tool_choice.get("type", "function") != "function":  # type: ignore[union-attr]
+    if (
+        not isinstance(name, str)
+        or not isinstance(tool_choice, Mapping)
+        or tool_choice.get("type", "function") != "function"
+    ):
         raise InvalidRequestError(
             'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
             param="tool_choice",

@@ -38,7 +38,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy as llguidance_np
@@ -48,6 +48,9 @@ from tokenizers import Tokenizer
 
 from .model import NGramModel
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stubs only
+
 SCHEMA_TYPES = frozenset({"json", "regex", "ebnf"})
 REJECTED_KEYS = ("serialized", "bound_token_ids")
 """Keys DeepInfer's ``SOMatcherBuilder`` refuses synchronously with a ValueError."""
@@ -55,7 +58,7 @@ REJECTED_KEYS = ("serialized", "bound_token_ids")
 GRAMMAR_CACHE_SIZE = 128
 """Compiled grammars kept per engine, keyed by (schema_type, schema); failures are cached too."""
 
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True, "lenient": True}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": True, "lenient": True}
 """Like xgrammar's defaults: any whitespace, unsupported keywords ignored (xgrammar warns and ignores them)."""
 
 PARALLEL_MASK_ROWS = 8

@@ -45,16 +45,15 @@ class Capture:
         self.outcome: str | None = None
 
     def observe(self, event: Event) -> None:
-        kind = type(event)
-        if kind is Delta:
+        if isinstance(event, Delta):
             if self.first_at is None:
                 self.first_at = time.perf_counter()
             if self.texts is not None:
-                self.texts.setdefault(event.index, []).append(event.text)  # type: ignore[union-attr]
-        elif kind is Finish:
-            self.finishes[event.index] = event.reason  # type: ignore[union-attr]
-        elif kind is Usage:
-            self.tokens = event.completion_tokens  # type: ignore[union-attr]
+                self.texts.setdefault(event.index, []).append(event.text)
+        elif isinstance(event, Finish):
+            self.finishes[event.index] = event.reason
+        elif isinstance(event, Usage):
+            self.tokens = event.completion_tokens
 
     def end(self, outcome: str) -> None:
         self.ended_at = time.perf_counter()
@@ -203,7 +202,7 @@ class ShadowMirror:
             capture.end(FAILED)
         finally:
             if events is not None:
-                await events.aclose()  # type: ignore[attr-defined]
+                await events.aclose()  # type: ignore[attr-defined]  # an async generator, typed AsyncIterator
             if call is not None:
                 call.end(failure)
         if pair.primary.outcome is not None:

@@ -132,7 +132,7 @@ class RoutedStream:
                 self._end(GeneratorExit())
         inner = self._inner
         if inner is not None:
-            await inner.aclose()  # type: ignore[attr-defined]
+            await inner.aclose()  # type: ignore[attr-defined]  # an async generator, typed AsyncIterator
 
     # ---- before the first event ----------------------------------------------------------------------------
 
@@ -165,12 +165,12 @@ class RoutedStream:
                 self._inner = inner
                 target.breaker.answered()
                 self._end(None)
-                await inner.aclose()  # type: ignore[attr-defined,union-attr]
+                await inner.aclose()  # type: ignore[union-attr]  # an async generator: see backends.streams
                 raise
             except BackendError as exc:
                 self._failed_before_first_event(target, exc)
                 if inner is not None:
-                    await inner.aclose()  # type: ignore[attr-defined]
+                    await inner.aclose()  # type: ignore[attr-defined]  # an async generator, typed AsyncIterator
                 following = self._routes.next_fallback(self._tried) if may_fall_back(exc) else None
                 if call is not None:
                     call.end(exc, following.name if following is not None else None)
@@ -186,7 +186,7 @@ class RoutedStream:
                     call.end(exc)
                 self._abandon_before_start()
                 if inner is not None:
-                    await inner.aclose()  # type: ignore[attr-defined]
+                    await inner.aclose()  # type: ignore[attr-defined]  # an async generator, typed AsyncIterator
                 raise
             self._inner = inner
             target.breaker.answered()
