@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from backends.deepseek.encoding import DSML, DSML_PARAMETER_END
+from backends.deepseek.markers import DSML, DSML_PARAMETER_END
 
 _PARAMETER = re.compile(
     "<"

@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from backends.deepseek.json_grammar import BASE_RULES, SchemaGrammar, integer_range, json_value_rules
+from backends.deepseek.json_grammar import BASE_RULES, SchemaGrammar, json_value_rules
+from backends.deepseek.number_grammar import integer_range
 from backends.deepseek.regex_grammar import pattern_expression
 from backends.reference import ReferenceArtifacts
 from backends.reference.structured import JSON_OPTIONS, strict_json_schema

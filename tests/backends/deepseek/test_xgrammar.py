@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
-from backends.deepseek.encoding import ToolCall, render_tool_calls
+from backends.deepseek.dsml import ToolCall, render_tool_calls
 from backends.interface import GenerateRequest
 from backends.reference import ReferenceArtifacts
 from backends.reference.structured import strict_json_schema
