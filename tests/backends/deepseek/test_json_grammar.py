@@ -24,7 +24,8 @@ from backends.deepseek.json_grammar import BASE_RULES, SchemaGrammar, json_value
 from backends.deepseek.number_grammar import integer_range
 from backends.deepseek.regex_grammar import pattern_expression
 from backends.reference import ReferenceArtifacts
-from backends.reference.structured import JSON_OPTIONS, strict_json_schema
+from backends.reference.strict_schema import strict_json_schema
+from backends.reference.structured import JSON_OPTIONS
 
 _LL_TOKENIZERS: dict[int, llguidance.LLTokenizer] = {}
 

@@ -39,7 +39,7 @@ from backends.deepseek.chat import DeepSeekV41ChatTemplate
 from backends.deepseek.dsml import ToolCall, render_tool_calls
 from backends.interface import GenerateRequest
 from backends.reference import ReferenceArtifacts
-from backends.reference.structured import strict_json_schema
+from backends.reference.strict_schema import strict_json_schema
 
 from ...clients.structured_models import BookTrip, Forecast
 from ..deepinfer.harness.build import built_harness, ensure_harness
