@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from backends.deepseek.arguments import pointer
 from backends.deepseek.gbnf import alternatives, class_char, json_literal, literal, repeat
+from backends.deepseek.json_schema import pointer
 from backends.deepseek.number_grammar import integer_value, number_value
 from backends.deepseek.string_grammar import JSON_CHAR_THEN, StringGrammar
 

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from backends.deepseek.arguments import pointer
+from backends.deepseek.json_schema import pointer
 from backends.deepseek.number_grammar import MAX_BOUND_DIGITS
 
 JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})

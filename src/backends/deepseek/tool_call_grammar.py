@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from backends.deepseek.arguments import schema_types
 from backends.deepseek.gbnf import literal, repeat, text_literal
 from backends.deepseek.json_grammar import BASE_RULES, SchemaGrammar, json_value_rules
+from backends.deepseek.json_schema import schema_types
 from backends.deepseek.markers import (
     DSML_CALLS_END,
     DSML_CALLS_START,
