@@ -19,7 +19,8 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from backends.deepseek.effort import v41_effort
-from backends.deepseek.encoding import (
+from backends.deepseek.encoding import encode_messages, prompt_ends_in_thinking
+from backends.deepseek.markers import (
     DSML_CALLS_END,
     DSML_CALLS_START,
     DSML_INVOKE_END,
@@ -28,18 +29,11 @@ from backends.deepseek.encoding import (
     DSML_PARAMETER_START,
     THINK_END,
     THINK_START,
-    encode_messages,
-    prompt_ends_in_thinking,
 )
 from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
-from backends.deepseek.structured import (
-    ConstraintLimitError,
-    ToolSchemaError,
-    check_constraint_size,
-    check_json_schema,
-    response_format_so_args,
-    tool_call_grammar,
-)
+from backends.deepseek.response_format import response_format_so_args
+from backends.deepseek.schema_checks import ConstraintLimitError, check_constraint_size, check_json_schema
+from backends.deepseek.tool_call_grammar import ToolSchemaError, tool_call_grammar
 from backends.engine.backend import ChatPrompt
 from backends.errors import InvalidRequestError
 from backends.interface import REQUEST_FEATURES, GenerateRequest

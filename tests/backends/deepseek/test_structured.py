@@ -10,8 +10,10 @@ import llguidance
 import pytest
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from backends.deepseek.encoding import ToolCall, render_tool_calls
-from backends.deepseek.structured import check_json_schema, response_format_so_args, tool_call_grammar
+from backends.deepseek.dsml import ToolCall, render_tool_calls
+from backends.deepseek.response_format import response_format_so_args
+from backends.deepseek.schema_checks import check_json_schema
+from backends.deepseek.tool_call_grammar import tool_call_grammar
 from backends.reference import ReferenceArtifacts
 
 WEATHER = {
@@ -153,3 +155,14 @@ def test_schema_check_accepts_well_formed_schemas() -> None:
         }
     )
     check_json_schema(True)
+
+
+def test_refs_with_escaped_pointer_characters_resolve() -> None:
+    """JSON pointers spell ``/`` as ``~1`` and ``~`` as ``~0`` (RFC 6901): such refs point at their definitions."""
+    schema = {
+        "$defs": {"a/b": {"type": "string"}, "c~d": {"type": "integer"}},
+        "properties": {"x": {"$ref": "#/$defs/a~1b"}, "y": {"$ref": "#/$defs/c~0d"}},
+    }
+    check_json_schema(schema, "s")
+    with pytest.raises(ValueError, match="points at nothing"):
+        check_json_schema({**schema, "properties": {"x": {"$ref": "#/$defs/a/b"}}}, "s")
