@@ -12,7 +12,7 @@ and reports:
 - CPU per streamed token: the gateway's front-end process(es) (user + system, all threads, from /proc; with
   several front ends, their sum plus the supervisor's) and its rank workers;
 - the share of the gateway's CPU per token spent turning engine outputs into text (detokenizing, stop matching:
-  ``_Choice.consume``), measured offline on the same tokenizer, to decide whether that work should move into
+  ``Choice.consume``), measured offline on the same tokenizer, to decide whether that work should move into
   the workers;
 - one view: the sum over ranks of ``gateway_dp_rank_dispatched_requests_total`` in six scrapes taken after the
   load (each on a new connection, so with several front ends they reach different ones), against the requests
@@ -142,8 +142,8 @@ def dispatched_sums(base_url: str, before: dict[str, float], scrapes: int = 6) -
 
 
 def choice_cost_us_per_token(tokens_per_step: int) -> float:
-    """CPU of ``_Choice.consume`` (detokenize + stop matching) per token, on reference-engine output."""
-    from backends.engine.backend import _Choice
+    """CPU of ``Choice.consume`` (detokenize + stop matching) per token, on reference-engine output."""
+    from backends.engine.choice import Choice
     from backends.engine.detokenizer import TokenTable
     from backends.engine.protocol import EngineOutput
     from backends.reference.artifacts import load_or_build
@@ -160,7 +160,7 @@ def choice_cost_us_per_token(tokens_per_step: int) -> float:
     rounds = 20
     started = time.process_time()
     for _ in range(rounds):
-        choice = _Choice(0, table, table.new_detokenizer(), ["\n\nUser:"], False)
+        choice = Choice(0, table, table.new_detokenizer(), ["\n\nUser:"], False)
         for step in outputs:
             choice.consume(step)
     elapsed = time.process_time() - started
@@ -248,7 +248,7 @@ def main() -> None:
                 ratio = this["gateway_cpu_us_per_token"] / other["gateway_cpu_us_per_token"]
                 print(f"{layout:>7}: gateway CPU per token, this tree / {args.against}: {ratio:.3f}", flush=True)
     choice_us = choice_cost_us_per_token(args.tokens_per_step)
-    print(f"_Choice.consume (detokenize + stop strings): {choice_us:.2f} us per token")
+    print(f"Choice.consume (detokenize + stop strings): {choice_us:.2f} us per token")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
     args.out.write_text(json.dumps({"settings": settings, "layouts": rows, "choice_us_per_token": choice_us}, indent=2))
