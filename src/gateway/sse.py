@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -75,6 +76,11 @@ async def send_within(send: Send, message: Message, stall: float | None) -> None
         pending = step.send(None)  # type: ignore[attr-defined]
     except StopIteration:
         return  # written at once: the usual case costs no timer
+    await finish_send(step, pending, stall)
+
+
+async def finish_send(step: Coroutine[Any, Any, None], pending: Any, stall: float | None) -> None:
+    """The rest of a send that could not complete at once (``step`` yielded ``pending``), within ``stall``."""
     if stall is None:
         await resume(step, pending)  # type: ignore[arg-type]
         return
@@ -130,9 +136,17 @@ class EventStreamResponse(Response):
             self._last_write = loop.time()
             if self._ping_seconds:
                 self._timer = loop.call_later(self._ping_seconds, self._ping_due, send)
+            time = loop.time
             async for frame in self._content:
-                await send_within(send, {"type": "http.response.body", "body": frame, "more_body": True}, stall)
-                self._last_write = loop.time()
+                # ``send_within`` inlined: a frame written at once (the usual case) costs no coroutine of its own.
+                step = send({"type": "http.response.body", "body": frame, "more_body": True})
+                try:
+                    pending = step.send(None)  # type: ignore[attr-defined]
+                except StopIteration:
+                    pass
+                else:
+                    await finish_send(step, pending, stall)  # type: ignore[arg-type]
+                self._last_write = time()
             self._watch.close()  # the end of the response makes ``receive`` report a disconnect
             await send_within(send, {"type": "http.response.body", "body": b"", "more_body": False}, stall)
         except SendStalledError:

@@ -194,8 +194,13 @@ class EngineBackend:
             remaining = request.n
             echoed = [not scoring] * request.n
             prompt_unreported = True
+            pop, arrival = outputs.pop, outputs.arrival
             while remaining:
-                index, item = await outputs.get()
+                entry = pop()
+                if entry is None:
+                    await arrival()
+                    continue
+                index, item = entry
                 if isinstance(item, BackendError):
                     live.discard(engine_ids[index])
                     raise _blame_constraint(item, chat)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from backends.engine.detokenizer import IncrementalDetokenizer, TokenTable
 from backends.engine.prompts import OutputParser
@@ -10,6 +11,8 @@ from backends.engine.protocol import EngineOutput, FinishReason
 from backends.engine.stop import StopMatcher
 from backends.errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, UpstreamError
 from backends.interface import Delta, TokenLogprob, ToolCallDelta, TopLogprob
+
+_token_id = attrgetter("token_id")
 
 
 class Choice:
@@ -68,7 +71,7 @@ class Choice:
         else:
             real = outputs
         self.tokens = last.num_output_tokens
-        text = self._detok.push([o.token_id for o in real]) if real else ""
+        text = self._detok.push(list(map(_token_id, real))) if real else ""
         if finish is not None:
             text += self._detok.flush()
         matched = False

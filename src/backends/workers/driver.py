@@ -27,6 +27,9 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -50,6 +53,9 @@ STOP_TIMEOUT_SECONDS = 15.0
 """How long ``stop()`` waits for workers to close their engines before killing them."""
 HEARTBEAT_CHECK_SECONDS = 1.0
 _UINT64 = 0xFFFF_FFFF_FFFF_FFFF
+_as_output: Callable[[tuple[Any, ...]], EngineOutput] = partial(tuple.__new__, EngineOutput)  # type: ignore[arg-type]
+"""An output as it came off the wire (``EngineOutput`` fields in order) as the record, without a Python call."""
+_request_id = itemgetter(0)
 
 
 class _Entry:
@@ -361,15 +367,16 @@ class DataParallelDriver:
         self._on_readable(rank.index)
 
     def _dispatch(self, rank: RankState, outputs: Sequence[tuple[Any, ...]], errors: Sequence[Any]) -> None:
-        grouped: dict[str, list[tuple[Any, ...]]] = {}
-        for out in outputs:
-            group = grouped.get(out[0])
+        # Records are built and grouped in C (a step lists each request's outputs together): Python runs once per
+        # request per step, not once per token.
+        grouped: dict[str, list[EngineOutput]] = {}
+        for request_id, run in groupby(map(_as_output, outputs), _request_id):
+            group = grouped.get(request_id)
             if group is None:
-                grouped[out[0]] = [out]
+                grouped[request_id] = list(run)
             else:
-                group.append(out)
+                group.extend(run)
         sinks = self._sinks
-        make = EngineOutput._make
         for request_id, group in grouped.items():
             entry = sinks.get(request_id)
             if entry is None:
@@ -380,7 +387,7 @@ class DataParallelDriver:
             if group[-1][2]:  # finished
                 del sinks[request_id]
                 rank.requests.discard(request_id)
-            entry.sink(entry.index, list(map(make, group)))
+            entry.sink(entry.index, group)
         for request_id, kind, message in errors:
             self._fail(request_id, m.rebuild_error(kind, message))
 
