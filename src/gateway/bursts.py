@@ -95,12 +95,13 @@ class BurstReader(Generic[T]):
         self._step, self._pending = step, pending
         return None
 
-    async def wait(self) -> T:
-        """The item :meth:`ready` could not give without waiting."""
+    def wait(self) -> Awaitable[T]:
+        """The item :meth:`ready` could not give without waiting (an awaitable, not a coroutine: one frame less
+        between the stream and its backend on every wake-up)."""
         step, pending = self._step, self._pending
         assert step is not None, "wait() without a pending ready()"
         self._step = self._pending = None
-        return await _Resume(step, pending)
+        return _Resume(step, pending)
 
     async def aclose(self) -> None:
         """Ends a step left waiting (it sees the cancellation a plain ``await`` would have seen, so the backend's

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -100,6 +101,11 @@ async def send_within(send: Send, message: Message, stall: float | None) -> None
         pending = step.send(None)  # type: ignore[attr-defined]
     except StopIteration:
         return  # written at once: the usual case costs no timer
+    await finish_send(step, pending, stall)
+
+
+async def finish_send(step: Coroutine[Any, Any, None], pending: Any, stall: float | None) -> None:
+    """The rest of a send that could not complete at once (``step`` yielded ``pending``), within ``stall``."""
     if stall is None:
         await resume(step, pending)  # type: ignore[arg-type]
         return
@@ -155,9 +161,10 @@ class EventStreamResponse(Response):
             self._last_write = loop.time()
             if self._ping_seconds:
                 self._timer = loop.call_later(self._ping_seconds, self._ping_due, send)
-            async for frame in self._content:
-                await send_within(send, {"type": "http.response.body", "body": frame, "more_body": True}, stall)
-                self._last_write = loop.time()
+            # The frames are pulled and written by a task of their own, which the request's task awaits: waking
+            # for each frame resumes that task's few frames, not the whole ASGI middleware stack above this one.
+            # The watch's cancellation of the request's task reaches it (a cancelled task cancels what it awaits).
+            await loop.create_task(self._write_frames(send, stall))
             self._watch.close()  # the end of the response makes ``receive`` report a disconnect
             await send_within(send, {"type": "http.response.body", "body": b"", "more_body": False}, stall)
         except SendStalledError:
@@ -167,6 +174,20 @@ class EventStreamResponse(Response):
                 raise  # the server is stopping
         finally:
             await self._end(stalled)
+
+    async def _write_frames(self, send: Send, stall: float | None) -> None:
+        """Every frame of ``content``, each one write (``send_within`` inlined: a frame written at once, the usual
+        case, costs no coroutine of its own)."""
+        time = asyncio.get_running_loop().time
+        async for frame in self._content:
+            step = send({"type": "http.response.body", "body": frame, "more_body": True})
+            try:
+                pending = step.send(None)  # type: ignore[attr-defined]
+            except StopIteration:
+                pass
+            else:
+                await finish_send(step, pending, stall)  # type: ignore[arg-type]
+            self._last_write = time()
 
     async def _end(self, stalled: bool) -> None:
         self._watch.close()

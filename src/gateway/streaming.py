@@ -285,6 +285,7 @@ async def stream_response(
 
         reader = BurstReader(events)
         waits = _WaitDeadline(deadline) if deadline is not None else None
+        output, frame_of = observer.output, fmt.frame
         burst: list[bytes] = []
         try:
             for event in head:  # the first token goes out at once
@@ -299,13 +300,17 @@ async def stream_response(
                     event = reader.ready()
                     if event is None:  # the backend has nothing more for now: send what it had, then wait
                         if burst:
-                            yield b"".join(burst)
+                            yield burst[0] if len(burst) == 1 else b"".join(burst)
                             burst.clear()
                         event = await (reader.wait() if waits is None else waits.wait(reader.wait))
                 except StopAsyncIteration:
                     outcome.status = 200
                     break
-                frame = render(event)
+                if type(event) is Delta:  # the common event, rendered here: no call of ``render`` per frame
+                    output(event.tokens, event.prompt_tokens)
+                    frame = frame_of(event)
+                else:
+                    frame = render(event)
                 if frame is not None:
                     burst.append(frame)
                     if len(burst) >= MAX_BURST:

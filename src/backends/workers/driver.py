@@ -12,7 +12,8 @@ Failure: a rank that exits, reports ``FAILED``, falls silent or is not ready by 
 in-flight requests with an ``UpstreamError`` and is restarted with exponential backoff while the other ranks serve.
 In lockstep mode a dead rank leaves its peers blocked inside a collective, so the whole group is killed, its
 requests failed, and restarted together once every old process is gone. When to restart is decided by
-``RankSupervisor`` (``supervisor.py``), a state machine on the loop's clock; this module carries it out.
+``RankSupervisor`` (``supervisor.py``), a state machine on the loop's clock; this module carries it out. What the
+dispatcher knows of each rank is in ``ranks.py``; how a local rank's process is started, in ``launch.py``.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import logging
 import os
 import shutil
 import signal
-import socket as socketlib
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from functools import partial
+from itertools import groupby
+from operator import itemgetter
+from typing import Any
 
 import numpy as np
 import zmq
@@ -38,111 +38,24 @@ from tokenizers import Tokenizer
 
 from backends.engine.driver import DriverStats, Sink
 from backends.engine.protocol import EngineOutput
-from backends.errors import BackendError, InvalidRequestError, OverloadedError, UnavailableError, UpstreamError
+from backends.errors import BackendError, UnavailableError, UpstreamError
 from backends.workers import messages as m
 from backends.workers.balancer import RankBalancer
 from backends.workers.keys import keys_for
-from backends.workers.startup import LaunchStatus, read_failure
+from backends.workers.launch import RankProcess, WorkerPlan, free_port
+from backends.workers.ranks import HELLO_AGAIN_MAX_SECONDS, HELLO_AGAIN_SECONDS, RankedEngineView, RankState
+from backends.workers.startup import LaunchStatus
 from backends.workers.supervisor import Clock, RankSupervisor, RestartPolicy
-from backends.workers.worker import DISPATCHER_LEASE_SECONDS, WorkerSpec
-
-FIRST_LAUNCH = LaunchStatus(1, "", 0.0)
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_SECONDS = 15.0
 """How long ``stop()`` waits for workers to close their engines before killing them."""
 HEARTBEAT_CHECK_SECONDS = 1.0
-HELLO_AGAIN_SECONDS = 2.0
-HELLO_AGAIN_MAX_SECONDS = 30.0
-"""A remote rank that does not answer our hello is greeted again after 2 s, then 4, 8, ... up to every 30 s."""
 _UINT64 = 0xFFFF_FFFF_FFFF_FFFF
-
-
-@dataclass
-class WorkerPlan:
-    """Where the ranks run and how a worker builds its engine (``factory`` is ``module:function``)."""
-
-    size: int
-    factory: str
-    options: dict[str, Any] = field(default_factory=dict)
-    lockstep: bool = False
-    transport: Literal["ipc", "tcp"] = "ipc"
-    host: str = "127.0.0.1"
-    remote_endpoints: list[str] = field(default_factory=list)
-    """Ranks started elsewhere (``tcp://host:port`` each, one per rank): connected to, never spawned or killed."""
-    rank_env: Callable[[int], dict[str, str]] | None = None
-    """Extra environment per local rank (e.g. its GPUs)."""
-    restart_backoff: float = 0.5
-    """The first restart's delay; it doubles with each failure in a row, up to ``max_backoff``."""
-    max_backoff: float = 30.0
-    stable_seconds: float = 30.0
-    """A rank up this long has its backoff reset."""
-    start_timeout: float = 1800.0
-    """A rank not ready this long after its launch is killed and counted as failed (generous: DeepInfer loading a
-    large model from shared storage takes many minutes, and a deadline hit by a healthy start would repeat)."""
-    heartbeat_timeout: float = 10.0
-    """A rank silent this long is declared dead (workers report at least every second, and after each step)."""
-    lease_seconds: float = DISPATCHER_LEASE_SECONDS
-    """Local ranks: a dispatcher silent this long loses its requests on the rank (it pings every second)."""
-    keys: str | None = None
-    """``rank_keys``: the directory of CURVE key files the rank plane uses over TCP (``backends/workers/keys.py``)."""
-
-    def spawn(
-        self, index: int, endpoint: str, collective: str | None, status: LaunchStatus = FIRST_LAUNCH
-    ) -> RankProcess:
-        """Starts rank ``index``'s worker process on ``endpoint``, as launch ``status.launch`` (it waits
-        ``status.delay`` before building its engine); raises ``OSError`` when it cannot be spawned."""
-        read, write = os.pipe()
-        spec = WorkerSpec(
-            index,
-            self.size,
-            endpoint,
-            self.factory,
-            self.options,
-            self.lockstep,
-            collective,
-            os.getpid(),
-            self.lease_seconds,
-            status.launch,
-            status.after,
-            status.delay,
-            write,
-            self.keys,
-        )
-        env = dict(os.environ)
-        if self.rank_env is not None:
-            env.update(self.rank_env(index))
-        try:
-            return RankProcess(
-                [sys.executable, "-m", "backends.workers.worker", spec.to_json()],
-                read,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                pass_fds=(write,),
-            )
-        except BaseException:
-            os.close(read)
-            raise
-        finally:
-            os.close(write)
-
-
-class RankProcess(subprocess.Popen[bytes]):
-    """A rank worker process we started, with the pipe on which it says why its engine failed."""
-
-    def __init__(self, args: list[str], failure_fd: int, **options: Any) -> None:
-        super().__init__(args, **options)
-        self._failure_fd: int | None = failure_fd
-
-    def end_reason(self) -> str:
-        """Why it ended, once it has exited: the engine's failure as it wrote it, else its exit status."""
-        code = self.wait()
-        written = ""
-        if self._failure_fd is not None:
-            written = read_failure(self._failure_fd)
-            self._failure_fd = None
-        return f"engine failed: {written}" if written else f"worker exited with {describe_exit(code)}"
+_as_output: Callable[[tuple[Any, ...]], EngineOutput] = partial(tuple.__new__, EngineOutput)  # type: ignore[arg-type]
+"""An output as it came off the wire (``EngineOutput`` fields in order) as the record, without a Python call."""
+_request_id = itemgetter(0)
 
 
 class _Entry:
@@ -155,131 +68,6 @@ class _Entry:
         self.index = index
         self.rank = rank
         self.queued = queued  # prompt tokens not yet prefilled (0 after the first output)
-
-
-class RankState:
-    """The dispatcher's view of one rank; read by metrics and tests."""
-
-    def __init__(self, index: int, endpoint: str, remote: bool) -> None:
-        self.index = index
-        self.endpoint = endpoint
-        self.remote = remote
-        self.state: Literal["down", "starting", "up"] = "down"
-        self.process: RankProcess | None = None
-        self.exited: asyncio.Future[int] | None = None
-        self.socket: zmq.Socket | None = None
-        self.pid: int | None = None
-        self.info: m.EngineInfo | None = None
-        self.requests: set[str] = set()
-        self.queued_tokens = 0
-        self.others = m.RankLoad(0, 0)  # what the rank holds for other dispatchers, as it last reported
-        self.hellos = 0  # RESETs sent on this socket and not answered yet
-        self.hello_at = 0.0  # when the last one was sent
-        self.hello_again = HELLO_AGAIN_SECONDS  # a starting remote rank not answering is greeted again after this
-        self.adds: list[list[Any]] = []
-        self.aborts: list[str] = []
-        self.taken = 0  # ``seq`` of the last STEP message taken: its outputs handed on, the tasks they woke run
-        self.credited = 0  # the ``taken`` the rank was last told
-        self.stats: m.RankStats | None = None  # the rank's own counters (this incarnation's), as last reported
-        self.samples: Sequence[Sequence[Any]] = ()  # the engine's own metric_samples(), as last reported
-        self.dispatched = 0  # requests this dispatcher sent it (the rank's own count, of everyone's: ``stats``)
-        self.launches = 0  # launches (local ranks) or connections (remote ones) by this dispatcher
-        self.launch = 0  # the incarnation's own number, as it reported it (READY, STARTING); 0: not heard yet
-        self.after = ""  # why its previous incarnation ended, as it reported it
-        self.reason = "not started"
-        self.retry_at: float | None = None  # down: when it is started (or, remote, connected) again
-        self.settled = False  # up once, or failed once: the backend's start waits for no more
-        self.builds_at: float | None = None  # starting: when it said it would build its engine (after its backoff)
-        self.last_heard = 0.0
-
-    def explain(self, now: float) -> str:
-        """Why the rank does not serve, with its restarts and backoff: for ``/ready`` and the log."""
-        if self.state == "down" and self.retry_at is not None:
-            text = f"{self.reason}; restarting in {max(0.0, self.retry_at - now):.1f} s"
-        elif self.state == "starting" and self.launch:
-            text = f"starting, launch {self.launch}"
-            if self.builds_at is not None and self.builds_at > now:
-                text += f", building its engine in {self.builds_at - now:.1f} s"
-            if self.after:
-                text += f" (after: {self.after})"
-        else:
-            text = self.reason
-        return f"{text}; {self.restarts} restarts" if self.restarts else text
-
-    def backoff(self, now: float) -> float:
-        """Seconds until the rank is started again (0 when it is up or starting now)."""
-        if self.state == "down" and self.retry_at is not None:
-            return max(0.0, self.retry_at - now)
-        if self.state == "starting" and self.builds_at is not None:
-            return max(0.0, self.builds_at - now)
-        return 0.0
-
-    def report(self, stats: m.RankStats) -> None:
-        self.stats = stats
-        if stats.samples is not None:  # sent about once a second, not with every step
-            self.samples = stats.samples
-
-    @property
-    def outstanding(self) -> int:
-        return len(self.requests)
-
-    @property
-    def has_commands(self) -> bool:
-        """Adds, aborts or a credit wait to be sent (held back by a full queue, or not flushed yet)."""
-        return bool(self.adds or self.aborts) or self.taken != self.credited
-
-    @property
-    def restarts(self) -> int:
-        """As the rank's launcher counts them: the incarnation number a remote rank reports, our launches of a local
-        one (which tell it its number)."""
-        return max(0, (self.launch if self.remote else self.launches) - 1)
-
-    def totals(self) -> DriverStats:
-        """The rank's counters since it started, as it reported them (the same for every dispatcher)."""
-        s = self.stats
-        if s is None:
-            return DriverStats()
-        return DriverStats(s.steps, s.tokens, s.busy_seconds, s.engine_seconds)
-
-    def forget_stats(self) -> None:
-        """The rank is down: its counters and gauges are gone with it (a new incarnation counts from 0)."""
-        self.stats = None
-        self.samples = ()
-
-
-class RankedEngineView:
-    """What ``EngineBackend`` reads from ``driver.engine``: the tokenizer (loaded here) and the ranks' limits, as the
-    first rank that came up reported them (until one has, the tokenizer's vocabulary and no context)."""
-
-    def __init__(self, tokenizer: Tokenizer, driver: DataParallelDriver) -> None:
-        self.tokenizer = tokenizer
-        self._driver = driver
-
-    @property
-    def info(self) -> m.EngineInfo | None:
-        return next((r.info for r in self._driver.ranks if r.info is not None), None)
-
-    @property
-    def max_model_len(self) -> int:
-        info = self.info
-        return info.max_model_len if info is not None else 0
-
-    @property
-    def vocab_size(self) -> int:
-        info = self.info
-        return info.vocab_size if info is not None else self.tokenizer.get_vocab_size()
-
-    @property
-    def fingerprint(self) -> str | None:
-        info = self.info
-        return info.fingerprint if info is not None else None
-
-    def get_num_unfinished_requests(self) -> int:
-        """Requests some rank still holds, as the dispatcher knows them."""
-        return self._driver.in_flight
-
-    def metric_samples(self) -> tuple[()]:
-        return ()  # per-rank statistics are metric families with a rank label (``DataParallelBackend``)
 
 
 class DataParallelDriver:
@@ -579,15 +367,16 @@ class DataParallelDriver:
         self._on_readable(rank.index)
 
     def _dispatch(self, rank: RankState, outputs: Sequence[tuple[Any, ...]], errors: Sequence[Any]) -> None:
-        grouped: dict[str, list[tuple[Any, ...]]] = {}
-        for out in outputs:
-            group = grouped.get(out[0])
+        # Records are built and grouped in C (a step lists each request's outputs together): Python runs once per
+        # request per step, not once per token.
+        grouped: dict[str, list[EngineOutput]] = {}
+        for request_id, run in groupby(map(_as_output, outputs), _request_id):
+            group = grouped.get(request_id)
             if group is None:
-                grouped[out[0]] = [out]
+                grouped[request_id] = list(run)
             else:
-                group.append(out)
+                group.extend(run)
         sinks = self._sinks
-        make = EngineOutput._make
         for request_id, group in grouped.items():
             entry = sinks.get(request_id)
             if entry is None:
@@ -598,9 +387,9 @@ class DataParallelDriver:
             if group[-1][2]:  # finished
                 del sinks[request_id]
                 rank.requests.discard(request_id)
-            entry.sink(entry.index, list(map(make, group)))
+            entry.sink(entry.index, group)
         for request_id, kind, message in errors:
-            self._fail(request_id, _rebuild_error(kind, message))
+            self._fail(request_id, m.rebuild_error(kind, message))
 
     def _fail(self, request_id: str, error: BackendError) -> None:
         entry = self._sinks.pop(request_id, None)
@@ -847,27 +636,3 @@ class DataParallelDriver:
     def _reasons(self) -> str:
         now = time.monotonic()
         return "; ".join(f"rank {r.index}: {r.explain(now)}" for r in self.ranks if not self._usable(r)) or "none"
-
-
-def _rebuild_error(kind: str, message: str) -> BackendError:
-    if kind == "invalid_request":
-        return InvalidRequestError(message)
-    if kind == "overloaded":
-        return OverloadedError(message, retry_after=1.0)
-    return UpstreamError(message)
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"code {code}"
-
-
-def free_port(host: str) -> int:
-    """A port the kernel has free now, for a local worker to bind (tcp transport)."""
-    with socketlib.socket(socketlib.AF_INET, socketlib.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
