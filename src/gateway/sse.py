@@ -2,10 +2,12 @@
 
 What it does. :class:`EventStreamResponse` sends ``http.response.start``, then one ``http.response.body`` message
 per frame its ``content`` iterator yields (the caller, ``gateway.streaming``, yields one frame per burst of ready
-events), then the empty last message. The frames are pulled and sent in the request's own task, so a stream needs
-no task group, no lock and no timer per frame. One streamed request costs one extra task: :class:`DisconnectWatch`
-waits for ``http.disconnect`` and cancels the request's task when it comes, wherever that task is waiting (the
-first token, a backend's next event, a send to a client that stopped reading). Keep-alive pings are one timer per
+events), then the empty last message. The frames are pulled and sent by one task of their own, which the request's
+task awaits: each frame's wake-up then resumes that task's few coroutine frames instead of the whole ASGI middleware
+stack above this response (issue 23: about a third fewer Python calls per frame). A stream needs no task group, no
+lock and no timer per frame. Beside the frames task, :class:`DisconnectWatch` waits for ``http.disconnect`` and
+cancels the request's task when it comes; a cancelled task cancels the task it awaits, so the cancellation reaches
+the frames wherever they wait (the first token, a backend's next event, a send to a client that stopped reading). Keep-alive pings are one timer per
 stream that looks at the time of the last write when it fires. A send is given the stall timeout only when it
 could not complete at once (the ASGI server blocks a send only while the client's socket buffer is full).
 
@@ -19,8 +21,8 @@ to the future), then passes the value or the exception it is woken with (a cance
 stepped coroutine with ``send`` / ``throw``, until that coroutine returns. It is safe because a Task only ever
 sees what coroutines yield, and an ``await`` chain is nothing but each frame yielding its inner frame's future
 upwards: one more frame doing the same by hand is indistinguishable. The rules it relies on: the first step runs
-inside the same Task that later awaits the rest (the caller's code, so ``current_task()``, context variables and
-cancellation are the request's), a started step is always either finished or thrown into (never dropped), and the
+inside the same Task that later awaits the rest (the frames task, whose context variables are copied from the
+request's and whose cancellation comes from the request's), a started step is always either finished or thrown into (never dropped), and the
 future is yielded as it came (never wrapped, never awaited by another task).
 
 Why not Starlette's ``StreamingResponse`` or sse-starlette. Under uvicorn (ASGI spec 2.3) ``StreamingResponse``
