@@ -22,8 +22,8 @@ stepped coroutine with ``send`` / ``throw``, until that coroutine returns. It is
 sees what coroutines yield, and an ``await`` chain is nothing but each frame yielding its inner frame's future
 upwards: one more frame doing the same by hand is indistinguishable. The rules it relies on: the first step runs
 inside the same Task that later awaits the rest (the frames task, whose context variables are copied from the
-request's and whose cancellation comes from the request's), a started step is always either finished or thrown into (never dropped), and the
-future is yielded as it came (never wrapped, never awaited by another task).
+request's and whose cancellation comes from the request's), a started step is always either finished or thrown
+into (never dropped), and the future is yielded as it came (never wrapped, never awaited by another task).
 
 Why not Starlette's ``StreamingResponse`` or sse-starlette. Under uvicorn (ASGI spec 2.3) ``StreamingResponse``
 runs every stream in an anyio task group with a second task listening for the disconnect, and pings and a stall
