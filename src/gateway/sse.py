@@ -8,8 +8,9 @@ stack above this response (issue 23: about a third fewer Python calls per frame)
 lock and no timer per frame. Beside the frames task, :class:`DisconnectWatch` waits for ``http.disconnect`` and
 cancels the request's task when it comes; a cancelled task cancels the task it awaits, so the cancellation reaches
 the frames wherever they wait (the first token, a backend's next event, a send to a client that stopped reading).
-Keep-alive pings are one timer per stream that looks at the time of the last write when it fires. A send is given the stall timeout only when it
-could not complete at once (the ASGI server blocks a send only while the client's socket buffer is full).
+Keep-alive pings are one timer per stream that looks at the time of the last write when it fires. A send is given
+the stall timeout only when it could not complete at once (the ASGI server blocks a send only while the client's
+socket buffer is full).
 
 The asyncio contract behind that last point (:func:`send_within`). ``send(message)`` is a coroutine; instead of
 ``await``-ing it, it is stepped once by hand with ``.send(None)``. ``StopIteration`` means it finished without
