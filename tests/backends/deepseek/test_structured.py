@@ -83,6 +83,14 @@ def test_forced_call_grammar_rejects_what_the_tools_do_not_declare(artifacts: Re
     assert not grammar.accepts("plain text answer")
 
 
+def test_enum_text_with_a_tag_opening_is_never_written_as_raw_text(artifacts: ReferenceArtifacts) -> None:
+    """Raw text holding ``</`` would run into its closing tag: such an enum value is not offered as raw text."""
+    tool = {"name": "pick", "parameters": {"type": "object", "properties": {"v": {"enum": ["a</b", "c"]}}}}
+    grammar = Grammar(tool_call_grammar([tool], parallel=False), artifacts)
+    assert grammar.accepts(calls(("pick", {"v": "c"})))
+    assert not grammar.accepts(calls(("pick", {"v": "a</b"})))
+
+
 def test_single_call_grammar_refuses_a_second_call(artifacts: ReferenceArtifacts) -> None:
     grammar = Grammar(tool_call_grammar([WEATHER], parallel=False), artifacts)
     assert grammar.accepts(calls(("get_weather", {"city": "Paris"})))
