@@ -6,11 +6,12 @@ Events are plain slotted records: the hot path builds one per engine step per ch
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
+from backends.streams import EventStream as EventStream  # what generate returns
 from backends.streams import interleave as interleave  # part of the surface: the gateway merges choices and prompts
 
 if TYPE_CHECKING:
@@ -267,8 +268,15 @@ def reject_unsupported(request: GenerateRequest, *, sampling: frozenset[str], fe
 class Backend(Protocol):
     """What the gateway needs from any backend kind."""
 
-    name: str
-    kind: str
+    @property
+    def name(self) -> str:
+        """The backend's configured name: model routing and metric labels use it."""
+        ...
+
+    @property
+    def kind(self) -> str:
+        """Which backend kind this is (reference, deepinfer, lmdeploy, ...)."""
+        ...
 
     async def start(self) -> None:
         """Bring the backend up; may take long (model build, engine construction)."""
@@ -284,8 +292,8 @@ class Backend(Protocol):
         """Context window, when the backend knows it."""
         ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        """Stream events for ``request``. Closing the iterator early aborts the work."""
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
+        """Stream events for ``request``. Closing the generator early (``aclose``) aborts the work."""
         ...
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import NamedTuple
 
 import aiohttp
@@ -81,7 +81,7 @@ class UpstreamClient:
 
     async def stream_choice(
         self, node: Node, request: GenerateRequest, plan: UpstreamPlan, index: int, model: str | None
-    ) -> AsyncIterator[Delta | Finish | ChoiceDone]:
+    ) -> AsyncGenerator[Delta | Finish | ChoiceDone, None]:
         """Choice ``index`` of ``request`` from ``node``: its events, then its ``ChoiceDone``; raises
         ``UpstreamFailure`` (retryable or not) when the node fails it."""
         session = self._session

@@ -130,5 +130,5 @@ async def _prompt_tokens_by_generating(backend: Backend, request: GenerateReques
             if isinstance(event, Usage):
                 return event.prompt_tokens
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
     raise UpstreamError(f"backend {backend.name!r} reported no usage for the prompt")
