@@ -157,7 +157,7 @@ class TokenLogprob(NamedTuple):
 class ToolCallDelta(NamedTuple):
     """A piece of one tool call; ``id`` and ``name`` come with the call's first piece, arguments may follow."""
 
-    index: int  # position of the call within its choice
+    index: int  # type: ignore[assignment]  # position of the call within its choice; public, shadows tuple.index
     id: str | None
     name: str | None
     arguments: str
@@ -166,7 +166,7 @@ class ToolCallDelta(NamedTuple):
 class Delta(NamedTuple):
     """New output of one choice since the previous event (usually one engine step's worth)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index (public, on the wire); shadows tuple.index
     text: str
     logprobs: Sequence[TokenLogprob] | None = None
     reasoning: str = ""
@@ -189,7 +189,7 @@ class Finish(NamedTuple):
     the stop string that ended the choice, when one did (reason ``stop``).
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index (public, on the wire); shadows tuple.index
     reason: str
     logprobs: Sequence[TokenLogprob] | None = None
     matched_stop: str | None = None
@@ -217,7 +217,7 @@ class PromptToken(NamedTuple):
 class PromptEcho(NamedTuple):
     """The prompt text, and with ``logprobs`` its tokens' logprobs, for ``echo`` on the completions API."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index (public, on the wire); shadows tuple.index
     text: str
     logprobs: Sequence[PromptToken] | None = None
 
@@ -403,7 +403,7 @@ class RankHosting(Protocol):
 
     def timeout(self, now: float) -> float | None: ...
 
-    def on_exited(self, ready: list[object], now: float) -> None: ...
+    def on_exited(self, ready: Sequence[object], now: float) -> None: ...
 
     def relaunch_due(self, now: float) -> None: ...
 

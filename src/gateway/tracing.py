@@ -313,7 +313,7 @@ class BackendCall:
         elif exc is not None:
             attributes["error.type"] = type(exc).__name__
             span.set_status(Status(StatusCode.ERROR, str(exc)))
-        span.set_attributes(attributes)  # type: ignore[arg-type]
+        span.set_attributes(attributes)
         span.end(end_time=now)
 
 

@@ -28,7 +28,7 @@ ERROR_BODY_LIMIT = 64 * 1024
 class ChoiceDone(NamedTuple):
     """The end of a choice on its node: its's token counts (prompt_tokens is None when LMDeploy could not report it)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index, as on Delta and Finish; shadows tuple.index
     prompt_tokens: int | None
     completion_tokens: int
     reasoning_tokens: int | None
