@@ -6,11 +6,12 @@ Events are plain slotted records: the hot path builds one per engine step per ch
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
+from backends.streams import EventStream as EventStream  # what generate returns
 from backends.streams import interleave as interleave  # part of the surface: the gateway merges choices and prompts
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ class TokenLogprob(NamedTuple):
 class ToolCallDelta(NamedTuple):
     """A piece of one tool call; ``id`` and ``name`` come with the call's first piece, arguments may follow."""
 
-    index: int  # position of the call within its choice
+    index: int  # type: ignore[assignment]  # position of the call within its choice; public, shadows tuple.index
     id: str | None
     name: str | None
     arguments: str
@@ -165,7 +166,7 @@ class ToolCallDelta(NamedTuple):
 class Delta(NamedTuple):
     """New output of one choice since the previous event (usually one engine step's worth)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index (public, on the wire); shadows tuple.index
     text: str
     logprobs: Sequence[TokenLogprob] | None = None
     reasoning: str = ""
@@ -188,7 +189,7 @@ class Finish(NamedTuple):
     the stop string that ended the choice, when one did (reason ``stop``).
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index (public, on the wire); shadows tuple.index
     reason: str
     logprobs: Sequence[TokenLogprob] | None = None
     matched_stop: str | None = None
@@ -216,7 +217,7 @@ class PromptToken(NamedTuple):
 class PromptEcho(NamedTuple):
     """The prompt text, and with ``logprobs`` its tokens' logprobs, for ``echo`` on the completions API."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index (public, on the wire); shadows tuple.index
     text: str
     logprobs: Sequence[PromptToken] | None = None
 
@@ -267,8 +268,15 @@ def reject_unsupported(request: GenerateRequest, *, sampling: frozenset[str], fe
 class Backend(Protocol):
     """What the gateway needs from any backend kind."""
 
-    name: str
-    kind: str
+    @property
+    def name(self) -> str:
+        """The backend's configured name: model routing and metric labels use it."""
+        ...
+
+    @property
+    def kind(self) -> str:
+        """Which backend kind this is (reference, deepinfer, lmdeploy, ...)."""
+        ...
 
     async def start(self) -> None:
         """Bring the backend up; may take long (model build, engine construction)."""
@@ -284,8 +292,8 @@ class Backend(Protocol):
         """Context window, when the backend knows it."""
         ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        """Stream events for ``request``. Closing the iterator early aborts the work."""
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
+        """Stream events for ``request``. Closing the generator early (``aclose``) aborts the work."""
         ...
 
 
@@ -395,7 +403,7 @@ class RankHosting(Protocol):
 
     def timeout(self, now: float) -> float | None: ...
 
-    def on_exited(self, ready: list[object], now: float) -> None: ...
+    def on_exited(self, ready: Sequence[object], now: float) -> None: ...
 
     def relaunch_due(self, now: float) -> None: ...
 

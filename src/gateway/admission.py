@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 
-from backends.interface import Backend, CallTrace, Event, GenerateRequest, TraceValue, traced_stage
+from backends.interface import Backend, CallTrace, Event, EventStream, GenerateRequest, TraceValue, traced_stage
 from gateway.limits import AdmissionGate
 
 
@@ -42,7 +42,7 @@ class AdmittedBackend:
     def max_model_len(self) -> int | None:
         return self.inner.max_model_len()
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
         return _AdmittedEvents(self.inner, self.gate, request)
 
 
@@ -58,7 +58,7 @@ class _AdmittedEvents:
         self._backend = backend
         self._gate = gate
         self._request = request
-        self._events: AsyncIterator[Event] | None = None
+        self._events: EventStream[Event] | None = None
         self._started: float | None = None  # when the slot was taken
         self._closed = False
 
@@ -90,7 +90,7 @@ class _AdmittedEvents:
             return  # never held a slot
         try:
             if self._events is not None:
-                await self._events.aclose()  # type: ignore[attr-defined]
+                await self._events.aclose()
         finally:
             self._gate.release(time.monotonic() - started)
 

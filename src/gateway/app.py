@@ -33,7 +33,7 @@ from gateway.state_store import SharedStateStore
 from gateway.tracing_config import TracingConfig
 
 if TYPE_CHECKING:
-    from backends.interface import Event, GenerateRequest
+    from backends.interface import Event, EventStream, GenerateRequest
     from gateway.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class _UnavailableBackend:
     def max_model_len(self) -> int | None:
         return None
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
         from backends.errors import UnavailableError
 
         raise UnavailableError(self._reason)

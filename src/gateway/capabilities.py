@@ -6,9 +6,12 @@ capabilities by forwarding attributes. It names what it wraps (``inner``), and `
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast, runtime_checkable
 
 from backends.interface import Backend, FingerprintedBackend
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeForm  # PEP 747: lets a Protocol class be the argument (type[C] refuses one)
 
 C = TypeVar("C")
 
@@ -49,11 +52,12 @@ def unwrapped(backend: Backend) -> Backend:
     return backend
 
 
-def capability(backend: Backend, protocol: type[C]) -> C | None:
+def capability(backend: Backend, protocol: TypeForm[C]) -> C | None:
     """The backend as ``protocol`` (a runtime-checkable capability of ``backends.interface``), or None when the
     backend under the gateway's wrappers lacks it."""
     inner = unwrapped(backend)
-    return inner if isinstance(inner, protocol) else None
+    # Every capability is a runtime-checkable Protocol class, so a class isinstance accepts.
+    return inner if isinstance(inner, cast("type[C]", protocol)) else None
 
 
 def system_fingerprint(backend: Backend) -> str:

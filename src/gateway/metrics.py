@@ -341,7 +341,7 @@ class _BackendCollector(Collector):
     def __init__(self, backends: list[Backend]) -> None:
         self._backends = backends
 
-    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         ready = GaugeMetricFamily("gateway_backend_ready", "1 when the backend can take requests.", labels=["backend"])
         steps = CounterMetricFamily("gateway_engine_steps", "Engine steps driven.", labels=["backend"])
         tokens = CounterMetricFamily("gateway_engine_output_tokens", "Tokens read from the engine.", labels=["backend"])

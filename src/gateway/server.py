@@ -193,8 +193,10 @@ def uvicorn_config(settings: GatewayConfig, app: FastAPI, guard: ConnectionGuard
         http=guard.protocol(),
         log_config=None,
         access_log=False,
-        timeout_keep_alive=settings.server.keep_alive_timeout,
-        timeout_graceful_shutdown=settings.server.drain_seconds,
+        # uvicorn annotates these int but uses them as seconds for call_later / wait_for, so fractions work;
+        # int() would cut a configured 0.5 s to 0.
+        timeout_keep_alive=settings.server.keep_alive_timeout,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=settings.server.drain_seconds,  # type: ignore[arg-type]
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, NamedTuple, Protocol
 
@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from backends.errors import BackendError, BackendTimeoutError, SlowClientError
-from backends.interface import Delta, Event, Finish, PromptEcho, Usage, interleave
+from backends.interface import Delta, Event, EventStream, Finish, PromptEcho, Usage, interleave
 from gateway.bursts import BurstReader
 from gateway.errors import APIError, api_error_from_backend, public_error
 from gateway.metrics import RequestObserver
@@ -248,7 +248,7 @@ def _record(observer: RequestObserver, outcome: _Outcome, stalled: bool) -> None
 
 async def stream_response(
     request: Request,
-    events: AsyncIterator[Event],
+    events: EventStream[Event],
     fmt: WireFormat,
     observer: RequestObserver,
     *,
@@ -352,7 +352,7 @@ async def stream_response(
 
 async def whole_response(
     request: Request,
-    events: AsyncIterator[Event],
+    events: EventStream[Event],
     fmt: WireFormat,
     observer: RequestObserver,
     *,
@@ -399,7 +399,7 @@ async def whole_response(
 
 
 async def _ended_early(
-    watch: DisconnectWatch, events: AsyncIterator[Event], observer: RequestObserver, exc: BaseException
+    watch: DisconnectWatch, events: EventStream[Event], observer: RequestObserver, exc: BaseException
 ) -> bool:
     """Ends a request whose wait for the backend raised ``exc``: the backend's work is aborted and the request
     counted. True when ``exc`` was the client leaving (its cancellation is withdrawn), else the caller re-raises."""
@@ -422,7 +422,7 @@ def _observe_failure(observer: RequestObserver, exc: BaseException) -> None:
         observer.finish(500, code="internal_error")
 
 
-async def merge_prompts(streams: list[AsyncIterator[Event]], n: int) -> AsyncIterator[Event]:
+async def merge_prompts(streams: list[EventStream[Event]], n: int) -> AsyncGenerator[Event, None]:
     """Runs one event stream per prompt concurrently, renumbering choices ``prompt_index * n + i`` and
     adding the usages up, as OpenAI does for a list of prompts."""
     prompt_tokens = completion_tokens = 0

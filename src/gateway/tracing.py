@@ -41,7 +41,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -56,7 +56,17 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.types import Scope
 
 from backends.errors import BackendError
-from backends.interface import Backend, Delta, Event, Finish, GenerateRequest, TraceStage, TraceValue, Usage
+from backends.interface import (
+    Backend,
+    Delta,
+    Event,
+    EventStream,
+    Finish,
+    GenerateRequest,
+    TraceStage,
+    TraceValue,
+    Usage,
+)
 from gateway import __version__
 from gateway.tracing_config import TracingConfig
 
@@ -303,7 +313,7 @@ class BackendCall:
         elif exc is not None:
             attributes["error.type"] = type(exc).__name__
             span.set_status(Status(StatusCode.ERROR, str(exc)))
-        span.set_attributes(attributes)  # type: ignore[arg-type]
+        span.set_attributes(attributes)
         span.end(end_time=now)
 
 
@@ -337,7 +347,7 @@ class _TracedBackend:
     def max_model_len(self) -> int | None:
         return self.inner.max_model_len()
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
         return self.inner.generate(dataclasses.replace(request, trace=self._call))
 
 

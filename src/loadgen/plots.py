@@ -110,7 +110,7 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
     per_gpu = bool(results["config"].get("gpus"))
     fig, axis = plt.subplots(figsize=(7, 5), constrained_layout=True)
     for model, runs in series.items():
-        points = [
+        labelled = [
             (
                 r["metrics"]["output_throughput"] / (results["config"]["gpus"] if per_gpu else 1),
                 r["metrics"]["tokens_per_second_per_user"],
@@ -119,10 +119,10 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
             for r in runs
             if r["metrics"]["tokens_per_second_per_user"]
         ]
-        if not points:
+        if not labelled:
             continue
-        axis.plot([p[0] for p in points], [p[1] for p in points], "-o", color=colors[model], label=model)
-        for total, user, label in points:
+        axis.plot([p[0] for p in labelled], [p[1] for p in labelled], "-o", color=colors[model], label=model)
+        for total, user, label in labelled:
             axis.annotate(label, (total, user), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
     axis.set_xlabel("output tokens / s per GPU" if per_gpu else "output tokens / s (total)")
     axis.set_ylabel("output tokens / s per user (1000 / median TPOT ms)")

@@ -22,9 +22,10 @@ SHORT_DEFINITIONS = (
 
 def _ms(summary: dict[str, Any], *keys: str) -> str:
     values = [summary.get(k) for k in keys]
-    if any(v is None for v in values):
+    present = [v for v in values if v is not None]
+    if len(present) < len(values):
         return "-"
-    return " / ".join(f"{v:.0f}" if v >= 100 else f"{v:.1f}" for v in values)
+    return " / ".join(f"{v:.0f}" if v >= 100 else f"{v:.1f}" for v in present)
 
 
 def _num(value: float | None, digits: int = 1) -> str:

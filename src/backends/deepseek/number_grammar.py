@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from backends.deepseek.gbnf import alternatives, literal, text_literal
 
@@ -53,7 +53,7 @@ def integer_bounds(schema: Mapping[str, Any]) -> tuple[int | None, int | None]:
     return low, high
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     """A usable bound; raises ``ValueError`` for one too large to compile (``MAX_BOUND_DIGITS``)."""
     if not isinstance(value, int | float) or isinstance(value, bool):
         return False

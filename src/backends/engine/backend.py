@@ -6,7 +6,7 @@ import asyncio
 import functools
 import importlib.metadata
 import itertools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -130,7 +130,7 @@ class EngineBackend:
         samples = getattr(self.driver.engine, "metric_samples", None)
         return samples() if samples is not None else ()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[Event, None]:
         if not self._started or not self.driver.alive:
             raise UnavailableError(f"backend {self.name!r} is not ready: {self.readiness()[1]}")
         table = self._table

@@ -13,7 +13,7 @@ lower latency; see docs/lmdeploy.md and ``bench/lmdeploy_overhead.py --clients``
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import aiohttp
@@ -108,7 +108,7 @@ class LMDeployBackend:
         return sum(node.in_flight for node in self.pool.nodes)
 
     # requests
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[Event, None]:
         if not self._started or self._upstream is None:
             raise UnavailableError(f"backend {self.name!r} is not ready: {self.readiness()[1]}", retry_after=5)
         reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
@@ -140,7 +140,7 @@ class LMDeployBackend:
 
     async def _merged(
         self, request: GenerateRequest, plan: UpstreamPlan, model: str | None, progress: _Progress
-    ) -> AsyncIterator[Delta | Finish | ChoiceDone]:
+    ) -> AsyncGenerator[Delta | Finish | ChoiceDone, None]:
         """Runs the n choices concurrently (one upstream request each) and interleaves their events."""
         choices = [self._choice(request, plan, i, model, progress) for i in range(request.n)]
         async with aclosing(interleave(choices)) as merged:
@@ -149,7 +149,7 @@ class LMDeployBackend:
 
     async def _choice(
         self, request: GenerateRequest, plan: UpstreamPlan, index: int, model: str | None, progress: _Progress
-    ) -> AsyncIterator[Delta | Finish | ChoiceDone]:
+    ) -> AsyncGenerator[Delta | Finish | ChoiceDone, None]:
         """One choice on one node; before anything reached the gateway, a failing node is replaced by another."""
         tried: set[Node] = set()
         retried_stale = False

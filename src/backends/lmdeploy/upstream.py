@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import NamedTuple
 
 import aiohttp
@@ -28,7 +28,7 @@ ERROR_BODY_LIMIT = 64 * 1024
 class ChoiceDone(NamedTuple):
     """The end of a choice on its node: its's token counts (prompt_tokens is None when LMDeploy could not report it)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index, as on Delta and Finish; shadows tuple.index
     prompt_tokens: int | None
     completion_tokens: int
     reasoning_tokens: int | None
@@ -81,7 +81,7 @@ class UpstreamClient:
 
     async def stream_choice(
         self, node: Node, request: GenerateRequest, plan: UpstreamPlan, index: int, model: str | None
-    ) -> AsyncIterator[Delta | Finish | ChoiceDone]:
+    ) -> AsyncGenerator[Delta | Finish | ChoiceDone, None]:
         """Choice ``index`` of ``request`` from ``node``: its events, then its ``ChoiceDone``; raises
         ``UpstreamFailure`` (retryable or not) when the node fails it."""
         session = self._session

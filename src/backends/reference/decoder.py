@@ -161,12 +161,12 @@ class BatchDecoder:
         running = batch.seqs
         states = [running[r].so for r in rows[index].tolist()]
         sub_ids, sub_probs = ids[index], probs[index]
-        failed = self._structured.constrain(states, sub_ids, sub_probs, no_eos[index])  # type: ignore[arg-type]
+        failed = self._structured.constrain(states, sub_ids, sub_probs, no_eos[index])
         if failed.any():  # keep failed rows drawable; their output is replaced after the draw
             sub_probs[failed, 0] = 1.0
         ids[index] = sub_ids
         probs[index] = sub_probs
-        return index, states, failed  # type: ignore[return-value]
+        return index, states, failed
 
     def _advance_structured(
         self,

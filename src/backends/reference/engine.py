@@ -284,7 +284,7 @@ class ReferenceEngine:
         if admitted:
             self._running.admit(admitted, self.model.top_k)
         scored = {s.request_id: s.prompt_logprobs for s in admitted if s.prompt_logprobs is not None}
-        return prefill_tokens, scored  # type: ignore[return-value]
+        return prefill_tokens, scored
 
     def _decode(self, outputs: list[EngineOutput], num_old: int) -> None:
         """One decode round (``BatchDecoder.decode``); finished requests leave the batch."""

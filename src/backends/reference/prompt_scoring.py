@@ -33,4 +33,4 @@ def prompt_logprobs(model: NGramModel, prompt: np.ndarray, background: np.ndarra
     weights = probs.astype(np.float64)
     totals = np.maximum(weights.sum(axis=1), np.finfo(np.float64).tiny)
     chosen = ((ids.astype(np.int64) == tokens[1:, None]) * weights).sum(axis=1) / totals
-    return np.log(smoothed(chosen, background[tokens[1:]])).tolist()  # type: ignore[no-any-return]
+    return np.log(smoothed(chosen, background[tokens[1:]])).tolist()

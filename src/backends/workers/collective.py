@@ -48,7 +48,7 @@ class SimulatedGroup:
         self.size = size
         self._round = 0
         self._timeout_ms = int(timeout * 1000)
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._hub: threading.Thread | None = None
         if rank == 0:
             router = self._context.socket(zmq.ROUTER)

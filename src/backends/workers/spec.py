@@ -37,7 +37,7 @@ class WorkerSpec:
     keys: str | None = None  # rank_keys: over TCP only dispatchers with an admitted key are heard (CURVE)
 
     def to_json(self) -> str:
-        return json.dumps({name: getattr(self, name) for name in self.__slots__})  # type: ignore[attr-defined]
+        return json.dumps({name: getattr(self, name) for name in self.__slots__})
 
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
@@ -68,4 +68,4 @@ RankEngineFactory = Callable[[RankContext], RankEngine]
 def load_factory(path: str) -> RankEngineFactory:
     module, _, name = path.partition(":")
     factory = getattr(importlib.import_module(module), name)
-    return factory  # type: ignore[no-any-return]
+    return factory

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec.parent_pid is not None:
         _die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the gateway stops us
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     socket = context.socket(zmq.ROUTER)  # several dispatchers (front-end processes) may connect
     m.bound_queues(socket)
     route_to_dispatchers(socket)

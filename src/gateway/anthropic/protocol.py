@@ -264,3 +264,7 @@ class MessagesRequest(_Conversation):
         if thinking.budget_tokens >= self.max_tokens:
             return f"thinking.budget_tokens ({thinking.budget_tokens}) must be less than max_tokens ({self.max_tokens})"
         return None
+
+
+ConversationRequest = CountTokensRequest | MessagesRequest
+"""The body of either Messages route: what translating a conversation reads (sampling only from a MessagesRequest)."""

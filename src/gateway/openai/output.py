@@ -330,7 +330,7 @@ class CompletionFormat(SSEFormat):
             self._finish[index] = event.reason
 
     def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]:
-        empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        empty: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         choices = [
             {
                 "index": i,

@@ -20,6 +20,7 @@ from gateway.responses.records import (
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+    from redis.typing import EncodableT
 
 T = TypeVar("T")
 
@@ -99,7 +100,7 @@ class RedisResponseStore:
     ) -> None:
         from redis.exceptions import RedisError  # only a gateway with a Redis store needs redis
 
-        self._failures: tuple[type[BaseException], ...] = (RedisError,)
+        self._failures: tuple[type[BaseException], ...] = (TimeoutError, OSError, RedisError)
         self._client = client
         self._owns_client = owns_client  # a shared state store's client is closed by its SharedStateStore
         self._max_age = max_age
@@ -113,7 +114,7 @@ class RedisResponseStore:
     async def _call(self, work: Awaitable[T]) -> T:
         try:
             return await work
-        except (TimeoutError, OSError, *self._failures) as exc:
+        except self._failures as exc:
             raise ResponseStoreError(f"The response store failed: {exc}") from exc
 
     def keys_of(self, response_id: str) -> list[str]:
@@ -141,7 +142,16 @@ class RedisResponseStore:
         )
         ttl = max(1, round(self._max_age)) if self._max_age is not None else 0
         oldest = repr(self._clock() - self._max_age) if self._max_age is not None else ""
-        args = [record.id, value, blob.size, repr(record.created_at), self._max_bytes, ttl, oldest, self._records]
+        args: list[EncodableT] = [
+            record.id,
+            value,
+            blob.size,
+            repr(record.created_at),
+            self._max_bytes,
+            ttl,
+            oldest,
+            self._records,
+        ]
         args.append(record.owner)
         return int(await self._call(self._put(keys=self.keys_of(record.id), args=args)))
 

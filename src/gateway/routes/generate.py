@@ -6,12 +6,12 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from backends.interface import Backend, Event, GenerateRequest, Usage
+from backends.interface import Backend, Event, EventStream, GenerateRequest, Usage
 from gateway.bodies import OffloadedJSONRoute
 from gateway.capabilities import system_fingerprint
 from gateway.errors import APIError
@@ -191,7 +191,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             for prompt in prompts
         ]
 
-        def open_events(backend: Backend) -> AsyncIterator[Event]:
+        def open_events(backend: Backend) -> EventStream[Event]:
             streams = [backend.generate(r) for r in requests]
             return streams[0] if len(streams) == 1 else merge_prompts(streams, body.n)
 

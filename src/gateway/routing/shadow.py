@@ -14,10 +14,10 @@ import functools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from backends.interface import Backend, Delta, Event, Finish, GenerateRequest, Usage
+from backends.interface import Backend, Delta, Event, EventStream, Finish, GenerateRequest, Usage
 from gateway.routing.targets import BackendLoad, LatencyWindow
 from gateway.routing.telemetry import RoutingMetrics
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-EventFactory = Callable[[Backend], AsyncIterator[Event]]
+EventFactory = Callable[[Backend], EventStream[Event]]
 OK, FAILED, CANCELLED = "ok", "failed", "cancelled"
 
 
@@ -181,7 +181,7 @@ class ShadowMirror:
     async def _run(self, pair: ShadowPair, factory: EventFactory, request: GenerateRequest | None) -> None:
         capture = pair.shadow
         capture.started = time.perf_counter()
-        events: AsyncIterator[Event] | None = None
+        events: EventStream[Event] | None = None
         # The task was started by the client's request, so its trace's span is current here (a copied context).
         call = self._tracing.backend_call(self.backend, request, "shadow") if self._tracing is not None else None
         failure: BaseException | None = None
@@ -202,7 +202,7 @@ class ShadowMirror:
             capture.end(FAILED)
         finally:
             if events is not None:
-                await events.aclose()  # type: ignore[attr-defined]  # an async generator, typed AsyncIterator
+                await events.aclose()
             if call is not None:
                 call.end(failure)
         if pair.primary.outcome is not None:
