@@ -50,7 +50,7 @@ class _Resume(Generic[T]):
             try:
                 pending = coro.throw(self._throw)
             except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+                return done.value
         while True:
             try:
                 value = yield pending
@@ -61,12 +61,12 @@ class _Resume(Generic[T]):
                 try:
                     pending = coro.throw(exc)
                 except StopIteration as done:
-                    return done.value  # type: ignore[no-any-return]
+                    return done.value
                 continue
             try:
                 pending = coro.send(value)
             except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+                return done.value
 
 
 def resume(coro: Coroutine[Any, Any, T], pending: Any) -> Awaitable[T]:
@@ -91,7 +91,7 @@ class BurstReader(Generic[T]):
         try:
             pending = step.send(None)
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
         self._step, self._pending = step, pending
         return None
 

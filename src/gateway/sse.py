@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from typing import Any, cast
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -97,11 +97,17 @@ class DisconnectWatch:
             self._watcher.cancel()
 
 
+def _as_coroutine(sending: Awaitable[None]) -> Coroutine[Any, Any, None]:
+    """ASGI's ``send`` is typed as returning an awaitable; every server's (uvicorn's, Starlette's test client's) is an
+    ``async def``, whose coroutine can be stepped by hand."""
+    return cast("Coroutine[Any, Any, None]", sending)
+
+
 async def send_within(send: Send, message: Message, stall: float | None) -> None:
     """``send(message)``; if it has to wait (the client is not reading), at most ``stall`` seconds more."""
-    step = send(message)
+    step = _as_coroutine(send(message))
     try:
-        pending = step.send(None)  # type: ignore[attr-defined]
+        pending = step.send(None)
     except StopIteration:
         return  # written at once: the usual case costs no timer
     await finish_send(step, pending, stall)
@@ -110,11 +116,11 @@ async def send_within(send: Send, message: Message, stall: float | None) -> None
 async def finish_send(step: Coroutine[Any, Any, None], pending: Any, stall: float | None) -> None:
     """The rest of a send that could not complete at once (``step`` yielded ``pending``), within ``stall``."""
     if stall is None:
-        await resume(step, pending)  # type: ignore[arg-type]
+        await resume(step, pending)
         return
     try:
         async with asyncio.timeout(stall):
-            await resume(step, pending)  # type: ignore[arg-type]
+            await resume(step, pending)
     except TimeoutError:
         raise SendStalledError from None
 
@@ -132,7 +138,7 @@ class EventStreamResponse(Response):
 
     def __init__(
         self,
-        content: AsyncIterator[bytes],
+        content: AsyncGenerator[bytes, None],
         watch: DisconnectWatch,
         on_end: Callable[[bool], None],
         *,
@@ -182,14 +188,15 @@ class EventStreamResponse(Response):
         """Every frame of ``content``, each one write (``send_within`` inlined: a frame written at once, the usual
         case, costs no coroutine of its own)."""
         time = asyncio.get_running_loop().time
+        send_step = cast("Callable[[Message], Coroutine[Any, Any, None]]", send)  # see _as_coroutine
         async for frame in self._content:
-            step = send({"type": "http.response.body", "body": frame, "more_body": True})
+            step = send_step({"type": "http.response.body", "body": frame, "more_body": True})
             try:
-                pending = step.send(None)  # type: ignore[attr-defined]
+                pending = step.send(None)
             except StopIteration:
                 pass
             else:
-                await finish_send(step, pending, stall)  # type: ignore[arg-type]
+                await finish_send(step, pending, stall)
             self._last_write = time()
 
     async def _end(self, stalled: bool) -> None:
@@ -198,7 +205,7 @@ class EventStreamResponse(Response):
             self._timer.cancel()
         if self._pinger is not None:
             self._pinger.cancel()
-        await self._content.aclose()  # type: ignore[attr-defined]
+        await self._content.aclose()
         self._on_end(stalled)
 
     def _ping_due(self, send: Send) -> None:

@@ -271,7 +271,7 @@ async def stream_response(
         raise
     outcome = _Outcome()
 
-    async def frames() -> AsyncIterator[bytes]:
+    async def frames() -> AsyncGenerator[bytes, None]:
         """The response body: every frame the backend had ready goes out in one send (a burst), so events that
         arrived together (one network read, a step's outputs queued while the loop was busy) cost one write."""
 
@@ -287,6 +287,7 @@ async def stream_response(
         waits = _WaitDeadline(deadline) if deadline is not None else None
         output, frame_of = observer.output, fmt.frame
         burst: list[bytes] = []
+        event: Event | None
         try:
             for event in head:  # the first token goes out at once
                 frame = render(event)

@@ -319,7 +319,9 @@ def _blame_constraint(error: BackendError, chat: ChatPrompt | None) -> BackendEr
     return error
 
 
-def _prompt_tokens(table: TokenTable, prompt_ids: Sequence[int], values: Sequence[float] | None) -> list[PromptToken]:
+def _prompt_tokens(
+    table: TokenTable, prompt_ids: Sequence[int] | np.ndarray, values: Sequence[float] | None
+) -> list[PromptToken]:
     """The echoed prompt's tokens with their logprobs and character offsets in the echoed text.
 
     The engine scores every token but the first (``values[i]`` is for ``prompt_ids[i + 1]``) and gives no

@@ -63,6 +63,7 @@ class Choice:
         """Returns the delta to emit (if any) and the OpenAI finish reason once the choice is done."""
         last = outputs[-1]
         finish: str | None = None
+        real: Sequence[EngineOutput]
         if last.finished:
             finish = finish_reason(last)
             # A "stop" finish carries the EOS token, which is not output; under ignore_eos an EOS sampled on the

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import groupby
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -53,7 +53,7 @@ STOP_TIMEOUT_SECONDS = 15.0
 """How long ``stop()`` waits for workers to close their engines before killing them."""
 HEARTBEAT_CHECK_SECONDS = 1.0
 _UINT64 = 0xFFFF_FFFF_FFFF_FFFF
-_as_output: Callable[[tuple[Any, ...]], EngineOutput] = partial(tuple.__new__, EngineOutput)  # type: ignore[arg-type]
+_as_output: Callable[[tuple[Any, ...]], EngineOutput] = partial(tuple.__new__, EngineOutput)
 """An output as it came off the wire (``EngineOutput`` fields in order) as the record, without a Python call."""
 _request_id = itemgetter(0)
 
@@ -308,7 +308,7 @@ class DataParallelDriver:
             logger.error("cannot send to rank %d of %s: %s", rank.index, self.name, exc)
         # ZeroMQ's descriptor is edge-triggered and any operation may consume its edge: reading ZMQ_EVENTS re-arms
         # it, and tells whether messages are already waiting that no edge will announce.
-        if socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._loop.call_soon(self._on_readable, rank.index)
         return sent
 
