@@ -18,6 +18,7 @@ RUN groupadd --system --gid 10001 gateway \
 
 WORKDIR /build
 COPY pyproject.toml README.md ./
+# .dockerignore leaves out src/loadgen (the `bench` load generator): the image serves, it does not benchmark.
 COPY src ./src
 RUN pip install --no-cache-dir . \
     && rm -rf /build

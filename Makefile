@@ -20,6 +20,7 @@ serve: $(INSTALLED)
 lint: $(INSTALLED)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy src
 
 test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)

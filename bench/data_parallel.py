@@ -12,7 +12,7 @@ and reports:
 - CPU per streamed token: the gateway's front-end process(es) (user + system, all threads, from /proc; with
   several front ends, their sum plus the supervisor's) and its rank workers;
 - the share of the gateway's CPU per token spent turning engine outputs into text (detokenizing, stop matching:
-  ``_Choice.consume``), measured offline on the same tokenizer, to decide whether that work should move into
+  ``Choice.consume``), measured offline on the same tokenizer, to decide whether that work should move into
   the workers;
 - one view: the sum over ranks of ``gateway_dp_rank_dispatched_requests_total`` in six scrapes taken after the
   load (each on a new connection, so with several front ends they reach different ones), against the requests
@@ -22,7 +22,10 @@ Usage: ``python bench/data_parallel.py --duration 15 --concurrency 256`` (add ``
 ranks that step together; ``--layouts 2,2x2`` compares one and two front ends in front of two ranks). The probe
 of issue 23: ``--layouts 2,2x2 --concurrency 64 --max-tokens 256``. ``--against ../main/src --rounds 3`` runs every
 layout with this tree and with another checkout's source, interleaved (the order alternating each round), and
-reports each pair's ratio.
+reports each pair's ratio. With ``--simultaneous`` the two trees' gateways serve at the same time, each under the
+same closed-loop load: on a machine shared with other work, both then see the same contention (on a loaded 2-core
+host, one session's interleaved pairs gave ratios from 0.79 to 1.07, its simultaneous pairs from 0.86 to 0.99,
+each layout's within ±3%).
 """
 
 from __future__ import annotations
@@ -142,8 +145,8 @@ def dispatched_sums(base_url: str, before: dict[str, float], scrapes: int = 6) -
 
 
 def choice_cost_us_per_token(tokens_per_step: int) -> float:
-    """CPU of ``_Choice.consume`` (detokenize + stop matching) per token, on reference-engine output."""
-    from backends.engine.backend import _Choice
+    """CPU of ``Choice.consume`` (detokenize + stop matching) per token, on reference-engine output."""
+    from backends.engine.choice import Choice
     from backends.engine.detokenizer import TokenTable
     from backends.engine.protocol import EngineOutput
     from backends.reference.artifacts import load_or_build
@@ -160,7 +163,7 @@ def choice_cost_us_per_token(tokens_per_step: int) -> float:
     rounds = 20
     started = time.process_time()
     for _ in range(rounds):
-        choice = _Choice(0, table, table.new_detokenizer(), ["\n\nUser:"], False)
+        choice = Choice(0, table, table.new_detokenizer(), ["\n\nUser:"], False)
         for step in outputs:
             choice.consume(step)
     elapsed = time.process_time() - started
@@ -208,6 +211,36 @@ def measure(layout: str, args: argparse.Namespace, source: Path | None) -> dict[
     }
 
 
+def measure_simultaneously(layout: str, args: argparse.Namespace, other: Path) -> tuple[float, float]:
+    """Front-end CPU per streamed token of this tree and of ``other``, both serving the same load at once."""
+    started = [start_gateway(layout, args, source) for source in (None, other)]
+    try:
+        for _, base_url, _ in started:
+            for _ in range(20):  # new connections reach every front end: each must be ready
+                while httpx.get(f"{base_url}/ready").status_code != 200:
+                    time.sleep(0.2)
+        front_ends = [[p.pid] + [c for c in children(p.pid) if not is_rank_worker(c)] for p, _, _ in started]
+        key = "gateway_generation_tokens_total"
+        before = [scrape(base_url).get(key, 0.0) for _, base_url, _ in started]
+        cpu0 = [sum(map(cpu_seconds, pids)) for pids in front_ends]
+
+        async def load_both() -> None:
+            await asyncio.gather(
+                *(run_load(u, args.concurrency, args.duration, args.max_tokens) for _, u, _ in started)
+            )
+
+        asyncio.run(load_both())
+        cpu1 = [sum(map(cpu_seconds, pids)) for pids in front_ends]
+        after = [scrape(base_url).get(key, 0.0) for _, base_url, _ in started]
+    finally:
+        for process, _, config in started:
+            process.terminate()
+            process.wait(timeout=60)
+            config.unlink(missing_ok=True)
+    this, that = (1e6 * (cpu1[i] - cpu0[i]) / (after[i] - before[i]) for i in range(2))
+    return this, that
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", default="inproc,1,2,4", help="inproc and/or worker counts, comma-separated")
@@ -220,8 +253,27 @@ def main() -> None:
     parser.add_argument("--lockstep", action="store_true", help="ranks step together (DeepInfer DP collectives)")
     parser.add_argument("--against", type=Path, help="another checkout's src (e.g. a worktree of main) to compare")
     parser.add_argument("--rounds", type=int, default=1, help="with --against: interleaved rounds per layout")
+    parser.add_argument("--simultaneous", action="store_true", help="with --against: both trees serve at once")
     parser.add_argument("--out", type=Path, default=Path("bench/results/data_parallel.json"))
     args = parser.parse_args()
+    if args.simultaneous:
+        if args.against is None:
+            parser.error("--simultaneous needs --against")
+        pairs = []
+        for round_number in range(args.rounds):
+            for layout in args.layouts.split(","):
+                this, that = measure_simultaneously(layout, args, args.against.resolve())
+                pairs.append({"layout": layout, "round": round_number, "this_tree": this, "against": that})
+                print(
+                    f"{layout:>7} round {round_number}: gateway CPU per token, this tree {this:.1f} us, "
+                    f"{args.against} {that:.1f} us, ratio {this / that:.3f}",
+                    flush=True,
+                )
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
+        args.out.write_text(json.dumps({"settings": settings, "simultaneous": pairs}, indent=2))
+        print(f"wrote {args.out}")
+        return
     rows = []
     sources: list[Path | None] = [None] if args.against is None else [None, args.against.resolve()]
     for round_number in range(args.rounds):
@@ -248,7 +300,7 @@ def main() -> None:
                 ratio = this["gateway_cpu_us_per_token"] / other["gateway_cpu_us_per_token"]
                 print(f"{layout:>7}: gateway CPU per token, this tree / {args.against}: {ratio:.3f}", flush=True)
     choice_us = choice_cost_us_per_token(args.tokens_per_step)
-    print(f"_Choice.consume (detokenize + stop strings): {choice_us:.2f} us per token")
+    print(f"Choice.consume (detokenize + stop strings): {choice_us:.2f} us per token")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
     args.out.write_text(json.dumps({"settings": settings, "layouts": rows, "choice_us_per_token": choice_us}, indent=2))

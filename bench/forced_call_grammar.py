@@ -23,8 +23,8 @@ import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from pydantic import BaseModel, Field
 
-from backends.deepseek.encoding import ToolCall, render_tool_calls
-from backends.deepseek.structured import tool_call_grammar
+from backends.deepseek.dsml import ToolCall, render_tool_calls
+from backends.deepseek.tool_call_grammar import tool_call_grammar
 from backends.reference import load_or_build
 
 

@@ -7,6 +7,9 @@ Four ways to reach the same OpenAI-compatible upstream:
 - ``gateway``: this gateway with one ``kind: lmdeploy`` backend pointing at the upstream;
 - ``lmdeploy``: LMDeploy's own proxy (``lmdeploy serve proxy``) with the upstream registered as its node, run
   from the LMDeploy virtualenv the test harness builds once per machine (``tests/backends/lmdeploy/harness``);
+- ``gateway-VARIANT`` (``--stream-variants``): this gateway again, streaming through another primitive in place of
+  ``gateway/sse.py`` + ``gateway/bursts.py`` (``bench/stream_primitives.py``: Starlette's ``StreamingResponse`` plus
+  a ping timer, or sse-starlette's ``EventSourceResponse``), the question of issue 25;
 - ``litellm``: LiteLLM's proxy (``litellm --config``, one worker) with the upstream as an ``openai/`` model,
   installed in its own virtualenv under ``$DEEPINFER_GATEWAY_CACHE/litellm-venv`` (default
   ``~/.cache/deepinfer-gateway``) so its dependencies never touch this project's.
@@ -15,14 +18,16 @@ With ``--pin`` (the default on a machine with at least 2 cores) every proxy runs
 this load generator on core 1, so each proxy gets the same single core and never competes with the load.
 
 The upstream is started by the script (``--upstream reference``: a second instance of this gateway on the CPU
-reference engine, timing model off; ``--upstream fake``: ``gateway.bench.fake_upstream``, the cheapest possible
+reference engine, timing model off; ``--upstream fake``: ``loadgen.fake_upstream``, the cheapest possible
 server, best for sub-millisecond deltas) or given as a URL. In every round, each (mode, concurrency) cell runs
 every target for ``--round-seconds`` in a rotated order, so drift and noise hit all targets alike. Reported per
 cell: latency p50/p99 (non-streaming) and TTFT / end-to-end p50/p99 (streaming) as the median over rounds of
 each round's percentile; "added" = target minus direct, the median over rounds of the per-round difference; and
-the ratios target / direct and LiteLLM added / gateway added.
+the ratios target / direct and each other proxy's added / gateway added; and the CPU time the serving process
+spent per request (``cpu_ms_per_req``, from /proc, the median over rounds).
 
-Usage: ``python bench/gateway_overhead.py [--upstream reference|fake|URL] [--concurrency 1,64] [--rounds 5]``.
+Usage: ``python bench/gateway_overhead.py [--upstream reference|fake|URL] [--concurrency 1,64] [--rounds 5]
+[--modes stream] [--stream-variants starlette,sse-starlette]``.
 All traffic stays on 127.0.0.1. Results go to ``bench/results/gateway_overhead.json``.
 """
 
@@ -47,10 +52,11 @@ import aiohttp
 import numpy as np
 import orjson
 
-from gateway.bench.client import RequestRecord, plain_request, stream_request
-from gateway.bench.loadgen import run_event_loop
+from loadgen.arrivals import run_event_loop
+from loadgen.client import RequestRecord, plain_request, stream_request
+from stream_primitives import VARIANTS
 
-from _gateway import free_port
+from _gateway import cpu_seconds, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Describe what the module does with its files, in a few words."
@@ -116,13 +122,16 @@ def start(
 
 
 def serve_gateway(
-    config: dict[str, Any], workdir: Path, name: str, cores: set[int] | None
+    config: dict[str, Any], workdir: Path, name: str, cores: set[int] | None, launcher: list[str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """``deepinfer-gateway serve`` with ``config``; ``launcher`` (a script and its arguments) in place of
+    ``-m gateway.cli`` runs it through that script, which hands on to the CLI."""
     port = free_port()
     path = workdir / f"{name}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     log = workdir / f"{name}.log"
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)]
+    entry = launcher if launcher is not None else ["-m", "gateway.cli"]
+    command = [sys.executable, *entry, "serve", "--config", str(path), "--port", str(port)]
     return start(command, log, cores=cores), f"http://127.0.0.1:{port}", log
 
 
@@ -139,7 +148,7 @@ def start_upstream(kind: str, model: str | None, workdir: Path, pace_ms: float) 
     elif kind == "fake":
         port = free_port()
         log = workdir / "upstream.log"
-        command = [sys.executable, "-m", "gateway.bench.fake_upstream", "--port", str(port), "--pace-ms", str(pace_ms)]
+        command = [sys.executable, "-m", "loadgen.fake_upstream", "--port", str(port), "--pace-ms", str(pace_ms)]
         target = Target("direct", f"http://127.0.0.1:{port}", "fake", start(command, log, cores=LOAD_CORES), log=log)
         ready = "/health"
     else:
@@ -161,8 +170,9 @@ def discover_model(url: str) -> str:
     return run_event_loop(ask())
 
 
-def start_gateway(upstream: Target, workdir: Path, connections: int) -> Target:
-    """This gateway with a ``kind: lmdeploy`` backend in front of the upstream."""
+def start_gateway(upstream: Target, workdir: Path, connections: int, variant: str | None = None) -> Target:
+    """This gateway with a ``kind: lmdeploy`` backend in front of the upstream; with ``variant``, streaming through
+    that alternative primitive (``bench/stream_primitives.py``)."""
     config = {
         "server": {"access_log": False, "log_level": "warning"},
         "backends": [
@@ -176,8 +186,10 @@ def start_gateway(upstream: Target, workdir: Path, connections: int) -> Target:
         ],
         "models": [{"name": upstream.model, "backends": ["upstream"]}],
     }
-    process, url, log = serve_gateway(config, workdir, "gateway", PROXY_CORE)
-    target = Target("gateway", url, upstream.model, process, log=log)
+    name = "gateway" if variant is None else f"gateway-{variant}"
+    prefix = None if variant is None else [str(ROOT / "bench" / "stream_primitives.py"), variant]
+    process, url, log = serve_gateway(config, workdir, name, PROXY_CORE, prefix)
+    target = Target(name, url, upstream.model, process, log=log)
     target.skipped = wait_ready(url, "/ready", process, 60)
     return target
 
@@ -366,6 +378,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], stream: bool) -> dict[str
     for name, stats in rounds.items():
         row: dict[str, Any] = {k: median([s[k] for s in stats]) for k in keys}
         row["req_per_s"] = median([s["req_per_s"] for s in stats])
+        row["cpu_ms_per_req"] = median([s.get("cpu_ms_per_req", float("nan")) for s in stats])
         row["errors"] = sum(s["errors"] for s in stats)
         row["error_kinds"] = sorted({k for s in stats for k in s["error_kinds"]})
         if name != "direct" and direct:
@@ -375,7 +388,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], stream: bool) -> dict[str
                 row[f"ratio_{key}"] = base / out["direct"][key] if base and out["direct"][key] else None
         out[name] = row
     gateway = out.get("gateway")
-    for peer in ("lmdeploy", "litellm"):
+    for peer in [name for name in rounds if name not in ("direct", "gateway")]:
         other = out.get(peer)
         if gateway and other:
             ratios = out.setdefault(f"{peer}_over_gateway", {})
@@ -385,6 +398,8 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], stream: bool) -> dict[str
             ratios["req_per_s"] = (
                 gateway["req_per_s"] / other["req_per_s"] if gateway["req_per_s"] and other["req_per_s"] else None
             )
+            g_cpu, o_cpu = gateway["cpu_ms_per_req"], other["cpu_ms_per_req"]
+            ratios["cpu_ms_per_req"] = o_cpu / g_cpu if g_cpu and o_cpu else None
     return out
 
 
@@ -399,14 +414,19 @@ def print_cell(stream: bool, concurrency: int, summary: dict[str, Any], chunks: 
     for name, row in summary.items():
         if name.endswith("_over_gateway"):
             peer = name.removesuffix("_over_gateway")
-            ratios = ", ".join(f"{k} {fmt(v, 2)}x" for k, v in row.items() if k != "req_per_s")
-            throughput = fmt(row["req_per_s"])
-            print(f"  {mode} {peer} added / gateway added: {ratios}; gateway req/s / {peer} req/s {throughput}")
+            ratios = ", ".join(f"{k} {fmt(v, 2)}x" for k, v in row.items() if k not in ("req_per_s", "cpu_ms_per_req"))
+            throughput, cpu = fmt(row["req_per_s"]), fmt(row["cpu_ms_per_req"])
+            print(
+                f"  {mode} {peer} added / gateway added: {ratios}; gateway req/s / {peer} req/s {throughput}; "
+                f"{peer} CPU / gateway CPU {cpu}x"
+            )
             continue
-        line = f"  {mode} {name:8s} p50 {fmt(row['latency_p50_ms'])} p99 {fmt(row['latency_p99_ms'])}"
+        line = f"  {mode} {name:24s} p50 {fmt(row['latency_p50_ms'])} p99 {fmt(row['latency_p99_ms'])}"
         if stream:
             line += f" TTFT p50 {fmt(row['ttft_p50_ms'])} p99 {fmt(row['ttft_p99_ms'])}"
-        line += f"  {fmt(row['req_per_s'], 0)} req/s  errors {row['errors']}"
+        line += (
+            f"  {fmt(row['req_per_s'], 0)} req/s  errors {row['errors']}  CPU/req {fmt(row['cpu_ms_per_req'], 3)} ms"
+        )
         if name != "direct":
             line += f"  added p50 {fmt(row.get('added_latency_p50_ms'))} p99 {fmt(row.get('added_latency_p99_ms'))}"
             if stream:
@@ -429,6 +449,12 @@ def main() -> None:
     parser.add_argument("--round-seconds", type=float, default=2.0, help="seconds per target per cell per round")
     parser.add_argument("--max-tokens", type=int, default=16, help="non-streaming answer length")
     parser.add_argument("--stream-tokens", type=int, default=64, help="streaming answer length")
+    parser.add_argument("--modes", default="plain,stream", help="plain (non-streaming), stream, or both")
+    parser.add_argument(
+        "--stream-variants",
+        default="",
+        help=f"also this gateway streaming through other primitives: any of {', '.join(VARIANTS)} (comma-separated)",
+    )
     parser.add_argument("--no-litellm", action="store_true", help="leave LiteLLM's proxy out")
     parser.add_argument("--no-lmdeploy", action="store_true", help="leave LMDeploy's proxy out")
     parser.add_argument(
@@ -452,6 +478,10 @@ def main() -> None:
         upstream = start_upstream(args.upstream, args.upstream_model, workdir, args.pace_ms)
         targets.append(upstream)
         targets.append(start_gateway(upstream, workdir, max(levels) * 2))
+        for variant in filter(None, args.stream_variants.split(",")):
+            if variant not in VARIANTS:
+                raise SystemExit(f"unknown --stream-variants {variant!r}: any of {', '.join(VARIANTS)}")
+            targets.append(start_gateway(upstream, workdir, max(levels) * 2, variant))
         if not args.no_lmdeploy:
             targets.append(start_lmdeploy_proxy(upstream, workdir))
         if not args.no_litellm:
@@ -460,19 +490,24 @@ def main() -> None:
             if target.skipped:
                 print(f"skipping {target.name}: {target.skipped} (log: {target.log})", flush=True)
         live = [t for t in targets if not t.skipped]
-        cells = [(stream, c) for stream in (False, True) for c in levels]
+        modes = [mode == "stream" for mode in ("plain", "stream") if mode in args.modes.split(",")]
+        cells = [(stream, c) for stream in modes for c in levels]
         rounds: dict[tuple[bool, int], dict[str, list[dict[str, Any]]]] = {cell: {} for cell in cells}
         for number in range(args.rounds):
             for stream, concurrency in cells:
                 order = live[number % len(live) :] + live[: number % len(live)]  # rotate who goes first
                 for target in order:
                     tokens = args.stream_tokens if stream else args.max_tokens
+                    cpu_before = cpu_seconds(target.process.pid) if target.process is not None else 0.0
                     records = run_event_loop(
                         run_cell(
                             target, stream=stream, concurrency=concurrency, seconds=args.round_seconds, tokens=tokens
                         )
                     )
                     stats = round_stats(records, args.round_seconds)
+                    if target.process is not None and records:  # warm-up requests included: a constant share
+                        cpu = cpu_seconds(target.process.pid) - cpu_before
+                        stats["cpu_ms_per_req"] = cpu * 1000 / (len(records) + concurrency)
                     rounds[(stream, concurrency)].setdefault(target.name, []).append(stats)
             print(f"round {number + 1}/{args.rounds} done", flush=True)
         results = []

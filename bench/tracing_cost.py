@@ -10,7 +10,7 @@ with ``--pin``; the upstream, the load and the trace receiver on the other cores
 - ``on``: this tree, ``server.tracing`` exporting every trace (``sampler: always_on``) over OTLP/HTTP to a
   receiver in this process that reads and discards the export requests.
 
-Upstreams: ``--upstream fake`` (an ``lmdeploy`` backend on ``gateway.bench.fake_upstream``: the gateway's own CPU
+Upstreams: ``--upstream fake`` (an ``lmdeploy`` backend on ``loadgen.fake_upstream``: the gateway's own CPU
 is nearly all there is) or ``reference`` (the in-process reference engine, timing model off: prompt rendering,
 tokenizing and the engine thread count too). Each round runs every gateway for ``--requests`` requests at
 ``--concurrency`` in a rotated order; the figure is the gateway process's CPU time (user + system, all threads,
@@ -156,7 +156,7 @@ def main() -> None:
             upstream_url = None
             if upstream == "fake":
                 port = free_port()
-                command = [sys.executable, "-m", "gateway.bench.fake_upstream", "--port", str(port)]
+                command = [sys.executable, "-m", "loadgen.fake_upstream", "--port", str(port)]
                 processes.append(launch(command, dict(os.environ), other_cores, workdir / "fake.log"))
                 upstream_url = f"http://127.0.0.1:{port}"
             variants = {

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.interface import Backend
 from gateway.app import create_app
+from gateway.capabilities import unwrapped
 from gateway.config import GatewayConfig
 from gateway.state import GatewayState
 
@@ -56,15 +57,15 @@ class RunningGateway:
         return self.app.state.gateway
 
     def engine_unfinished(self, backend: str = "reference") -> int:
-        engine = self.state.backends[backend].driver.engine  # type: ignore[attr-defined]
+        engine = unwrapped(self.state.backends[backend]).driver.engine  # type: ignore[attr-defined]
         return engine.get_num_unfinished_requests()
 
     def driver_in_flight(self, backend: str = "reference") -> int:
-        return self.state.backends[backend].driver.in_flight  # type: ignore[attr-defined]
+        return unwrapped(self.state.backends[backend]).driver.in_flight  # type: ignore[attr-defined]
 
     def engine_tokens(self, backend: str = "reference") -> int:
         """Tokens the engine has generated so far (every output its ``step()`` returned)."""
-        return self.state.backends[backend].driver.stats.tokens  # type: ignore[attr-defined]
+        return unwrapped(self.state.backends[backend]).driver.stats.tokens  # type: ignore[attr-defined]
 
     def engine_idle(self, backend: str = "reference") -> bool:
         """The engine holds no request and the driver no stream: every request ended or was aborted."""

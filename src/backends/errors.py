@@ -69,3 +69,8 @@ class BackendTimeoutError(BackendError):
     """The request ran past its deadline."""
 
     code = "timeout"
+
+
+class RankKeysError(ValueError):
+    """The rank plane's key directory lacks a file this side needs, or a file is not a ZeroMQ certificate
+    (a deployment mistake, found before any rank starts: never a request's error)."""

@@ -6,10 +6,16 @@ Events are plain slotted records: the hot path builds one per engine step per ch
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
+
+from backends.streams import EventStream as EventStream  # what generate returns
+from backends.streams import interleave as interleave  # part of the surface: the gateway merges choices and prompts
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 PromptKind = Literal["chat", "text", "tokens"]
 
@@ -151,7 +157,7 @@ class TokenLogprob(NamedTuple):
 class ToolCallDelta(NamedTuple):
     """A piece of one tool call; ``id`` and ``name`` come with the call's first piece, arguments may follow."""
 
-    index: int  # position of the call within its choice
+    index: int  # type: ignore[assignment]  # position of the call within its choice; public, shadows tuple.index
     id: str | None
     name: str | None
     arguments: str
@@ -160,7 +166,7 @@ class ToolCallDelta(NamedTuple):
 class Delta(NamedTuple):
     """New output of one choice since the previous event (usually one engine step's worth)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index (public, on the wire); shadows tuple.index
     text: str
     logprobs: Sequence[TokenLogprob] | None = None
     reasoning: str = ""
@@ -183,7 +189,7 @@ class Finish(NamedTuple):
     the stop string that ended the choice, when one did (reason ``stop``).
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index (public, on the wire); shadows tuple.index
     reason: str
     logprobs: Sequence[TokenLogprob] | None = None
     matched_stop: str | None = None
@@ -211,7 +217,7 @@ class PromptToken(NamedTuple):
 class PromptEcho(NamedTuple):
     """The prompt text, and with ``logprobs`` its tokens' logprobs, for ``echo`` on the completions API."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the choice's index (public, on the wire); shadows tuple.index
     text: str
     logprobs: Sequence[PromptToken] | None = None
 
@@ -262,8 +268,15 @@ def reject_unsupported(request: GenerateRequest, *, sampling: frozenset[str], fe
 class Backend(Protocol):
     """What the gateway needs from any backend kind."""
 
-    name: str
-    kind: str
+    @property
+    def name(self) -> str:
+        """The backend's configured name: model routing and metric labels use it."""
+        ...
+
+    @property
+    def kind(self) -> str:
+        """Which backend kind this is (reference, deepinfer, lmdeploy, ...)."""
+        ...
 
     async def start(self) -> None:
         """Bring the backend up; may take long (model build, engine construction)."""
@@ -279,8 +292,8 @@ class Backend(Protocol):
         """Context window, when the backend knows it."""
         ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        """Stream events for ``request``. Closing the iterator early aborts the work."""
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
+        """Stream events for ``request``. Closing the generator early (``aclose``) aborts the work."""
         ...
 
 
@@ -312,4 +325,92 @@ class TokenizingBackend(Protocol):
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Each id's vocabulary entry, as the tokenizer spells it (byte-level characters for DeepSeek's)."""
+        ...
+
+
+@runtime_checkable
+class FingerprintedBackend(Protocol):
+    """Optional capability of a backend: the ``system_fingerprint`` its responses carry (engine, version, ...)."""
+
+    @property
+    def fingerprint(self) -> str | None: ...
+
+
+class EngineCounters(Protocol):
+    """An engine driver's running totals, read at scrape time (single writer, no locks)."""
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def tokens(self) -> int: ...
+
+    @property
+    def busy_seconds(self) -> float: ...
+
+    @property
+    def engine_seconds(self) -> float: ...
+
+    @property
+    def backpressure_seconds(self) -> float: ...
+
+
+class EngineDriverView(Protocol):
+    """What ``/metrics`` reads of the driver that steps a backend's engine."""
+
+    @property
+    def stats(self) -> EngineCounters: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+@runtime_checkable
+class DrivenBackend(Protocol):
+    """Optional capability of a backend: an engine driver whose counters ``/metrics`` exports."""
+
+    @property
+    def driver(self) -> EngineDriverView: ...
+
+
+@runtime_checkable
+class MetricSamplesBackend(Protocol):
+    """Optional capability of a backend: engine statistics as ``(name, kind, help, value)``, exported as
+    ``gateway_<name>{backend}`` without the gateway knowing the engine behind them."""
+
+    def metric_samples(self) -> Sequence[tuple[str, str, str, float]]: ...
+
+
+@runtime_checkable
+class MetricFamiliesBackend(Protocol):
+    """Optional capability of a backend: metric families with labels of its own (per upstream node, per rank)."""
+
+    def metric_families(self) -> list[Metric]: ...
+
+
+class RankHosting(Protocol):
+    """A backend's rank workers, run once by the front-end supervisor for every front end: started, watched
+    (``descriptors`` end when a rank exits) and relaunched by the supervisor's loop, stopped after the last front
+    end; the front ends reach them at ``endpoints``."""
+
+    endpoints: list[str]
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def descriptors(self) -> list[int]: ...
+
+    def timeout(self, now: float) -> float | None: ...
+
+    def on_exited(self, ready: Sequence[object], now: float) -> None: ...
+
+    def relaunch_due(self, now: float) -> None: ...
+
+
+class RankNodeRun(Protocol):
+    """This node's share of a backend's rank workers (``deepinfer-gateway ranks``), ready to run."""
+
+    def run(self) -> int:
+        """Serves until the group stops; the process's exit status."""
         ...

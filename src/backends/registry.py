@@ -1,12 +1,14 @@
-"""Builds backends from their configuration: the only place the gateway learns which kinds exist."""
+"""Builds backends, and the processes that host their ranks, from their configuration: the only place the gateway
+learns which kinds exist."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends.config import BackendConfig, DeepInferBackendConfig, LMDeployBackendConfig, ReferenceBackendConfig
-from backends.interface import Backend
+from backends.interface import Backend, RankHosting, RankNodeRun
 
 if TYPE_CHECKING:
     from backends.workers.driver import WorkerPlan
@@ -46,3 +48,63 @@ def node_worker_plan(config: BackendConfig, ranks: range, master_addr: str | Non
             raise ValueError(f"backend {config.name!r}: a lockstep reference group runs on one node")
         return reference_worker_plan(config)
     raise ValueError(f"backend {config.name!r} ({config.kind}) has no rank workers")
+
+
+def hosted_worker_plan(config: BackendConfig) -> WorkerPlan | None:
+    """The rank workers the front-end supervisor starts for this backend, once for every front end (None: each
+    front end serves it alone, or its ranks are started elsewhere). Every DeepInfer engine, even a single one,
+    lives in a rank worker: N front ends cannot each build an engine on the same devices."""
+    if isinstance(config, ReferenceBackendConfig) and config.uses_workers and not config.worker_endpoints:
+        from backends.reference.backend import reference_worker_plan
+
+        return reference_worker_plan(config)
+    if isinstance(config, DeepInferBackendConfig) and not config.worker_endpoints:
+        from backends.deepinfer.backend import deepinfer_worker_plan
+
+        return deepinfer_worker_plan(config)
+    return None
+
+
+def rank_host(config: BackendConfig, run_dir: str) -> RankHosting | None:
+    """The rank workers of ``config`` hosted once for several front-end processes (not started yet; their ipc
+    endpoints under ``run_dir``), or None when the backend has none to host (``hosted_worker_plan``)."""
+    plan = hosted_worker_plan(config)
+    if plan is None:
+        return None
+    from backends.workers.host import RankHost
+
+    return RankHost(config.name, plan, run_dir)
+
+
+def rank_node(config: BackendConfig, nodes: int, node: int, host: str, master_addr: str | None) -> RankNodeRun:
+    """Node ``node`` of ``nodes``'s share of the ranks a backend lists in ``worker_endpoints``, bound on ``host``,
+    checked before any rank starts (the key files there and readable). Raises ValueError naming what is wrong."""
+    from backends.workers.keys import keys_for
+    from backends.workers.node import NodeShare, RankNode, bind_address
+
+    if not isinstance(config, ReferenceBackendConfig | DeepInferBackendConfig) or not config.worker_endpoints:
+        raise ValueError(f"backend {config.name!r} lists no worker_endpoints: the gateway starts its ranks itself")
+    endpoints = config.worker_endpoints
+    share = NodeShare(len(endpoints), nodes, node)
+    plan = node_worker_plan(config, share.ranks, master_addr)
+    bound = [bind_address(endpoints[rank], host) for rank in share.ranks]
+    for address in bound:
+        keys = keys_for(address, config.rank_keys)
+        if keys is not None:
+            keys.rank_public()
+    return RankNode(config.name, plan, share.ranks, bound)
+
+
+def create_rank_keys(directory: Path) -> list[Path]:
+    """Writes the rank plane's key pairs (``deepinfer-gateway rank-keys``); raises ``RankKeysError`` or OSError."""
+    from backends.workers.keys import create_keys
+
+    return create_keys(directory)
+
+
+def prepare_serving_process() -> None:
+    """What a process serving backends sets once before it takes requests: multi-MiB bodies and prompts go back
+    to the OS when freed (``backends/heap.py``)."""
+    from backends.heap import cap_mmap_threshold
+
+    cap_mmap_threshold()

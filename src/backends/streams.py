@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from typing import Protocol, TypeVar, cast
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
-async def interleave(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+class EventStream(Protocol[T_co]):
+    """An async iterator its consumer closes early (``aclose``) to abort the work behind it: what ``generate``
+    returns (an async generator, or a wrapper such as the admission gate's that frees its slot on close)."""
+
+    def __aiter__(self) -> AsyncIterator[T_co]: ...
+
+    def __anext__(self) -> Awaitable[T_co]: ...
+
+    def aclose(self) -> Awaitable[object]: ...
+
+
+async def interleave(streams: Sequence[EventStream[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Yields ``(stream index, item)`` as items arrive from streams running concurrently.
 
     The first error of any stream is raised here; however the merged stream ends, every stream is cancelled and
@@ -17,7 +29,7 @@ async def interleave(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple
     """
     queue: asyncio.Queue[tuple[int, T | None, Exception | None, bool]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+    async def pump(index: int, stream: EventStream[T]) -> None:
         try:
             async for item in stream:
                 queue.put_nowait((index, item, None, False))
@@ -36,10 +48,10 @@ async def interleave(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple
             if ended:
                 remaining -= 1
             else:
-                yield index, item  # type: ignore[misc]
+                yield index, cast(T, item)  # neither an error nor the end: one of the stream's items
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()

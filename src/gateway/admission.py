@@ -3,29 +3,47 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from collections.abc import Awaitable
 
-from backends.interface import Backend, CallTrace, Event, GenerateRequest, TraceValue, traced_stage
+from backends.interface import Backend, CallTrace, Event, EventStream, GenerateRequest, TraceValue, traced_stage
 from gateway.limits import AdmissionGate
 
 
 class AdmittedBackend:
     """Wraps a backend so every request holds a slot of its gate for as long as its events flow.
 
-    Other attributes (name, kind, readiness, driver, ...) are the wrapped backend's, so routing, health and
-    metrics see the backend itself.
+    Its name, kind, life cycle and health are the wrapped backend's, so routing and health see the backend itself;
+    its optional capabilities (tokenizer, statistics, ...) are ``inner``'s (``gateway.capabilities``).
     """
 
+    __slots__ = ("gate", "inner")
+
     def __init__(self, backend: Backend, gate: AdmissionGate) -> None:
-        self.backend = backend
+        self.inner = backend
         self.gate = gate
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.backend, name)
+    @property
+    def name(self) -> str:
+        return self.inner.name
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        return _AdmittedEvents(self.backend, self.gate, request)
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+    def readiness(self) -> tuple[bool, str]:
+        return self.inner.readiness()
+
+    def max_model_len(self) -> int | None:
+        return self.inner.max_model_len()
+
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
+        return _AdmittedEvents(self.inner, self.gate, request)
 
 
 class _AdmittedEvents:
@@ -40,7 +58,7 @@ class _AdmittedEvents:
         self._backend = backend
         self._gate = gate
         self._request = request
-        self._events: AsyncIterator[Event] | None = None
+        self._events: EventStream[Event] | None = None
         self._started: float | None = None  # when the slot was taken
         self._closed = False
 
@@ -72,7 +90,7 @@ class _AdmittedEvents:
             return  # never held a slot
         try:
             if self._events is not None:
-                await self._events.aclose()  # type: ignore[attr-defined]
+                await self._events.aclose()
         finally:
             self._gate.release(time.monotonic() - started)
 
@@ -94,4 +112,4 @@ def admitted(backend: Backend, config: object) -> Backend:
     if limit is None:
         return backend
     gate = AdmissionGate(backend.name, limit, getattr(config, "max_queue", 0), getattr(config, "queue_timeout", 30.0))
-    return AdmittedBackend(backend, gate)  # type: ignore[return-value]
+    return AdmittedBackend(backend, gate)

@@ -24,14 +24,16 @@ from gateway.errors import install_error_handlers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
-from gateway.response_store import StoredResponses, open_response_store
+from gateway.responses import route as responses
+from gateway.responses.store import StoredResponses, open_response_store
 from gateway.router import ModelRouter
-from gateway.routes import admin, generate, messages, models, operations, responses, tokenize
+from gateway.routes import admin, generate, messages, models, operations, tokenize
 from gateway.state import GatewayState
 from gateway.state_store import SharedStateStore
 from gateway.tracing_config import TracingConfig
 
 if TYPE_CHECKING:
+    from backends.interface import Event, EventStream, GenerateRequest
     from gateway.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -68,29 +70,25 @@ def create_app(
     if store is not None:
         metrics.watch_state_store(store)
     tracing = start_tracing(server.tracing)
+    key_limits = KeyLimits(server, store=store, processes=server.workers, registry=metrics.registry, clock=budget_clock)
+    stored_responses = StoredResponses(
+        open_response_store(
+            server.responses_store,
+            max_age=server.responses_max_age,
+            max_bytes=server.responses_max_bytes,
+            shared=store.client if store is not None else None,
+        ),
+        metrics.registry,
+    )
     state = GatewayState(
         config=config,
         backends=dict(backends),
         router=ModelRouter(config.models, backends, metrics.registry, tracing=tracing),
         metrics=metrics,
         start_errors=start_errors,
-        limits=KeyLimits(
-            server,
-            store=store,
-            processes=server.workers,
-            registry=metrics.registry,
-            clock=budget_clock,
-        ),
+        limits=key_limits,
         store=store,
-        responses=StoredResponses(
-            open_response_store(
-                server.responses_store,
-                max_age=server.responses_max_age,
-                max_bytes=server.responses_max_bytes,
-                shared=store.client if store is not None else None,
-            ),
-            metrics.registry,
-        ),
+        responses=stored_responses,
         thinking_signer=signer_for(server.thinking_signature_key),
         tracing=tracing,
     )
@@ -110,7 +108,7 @@ def create_app(
         finally:
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
-            await state.limits.aclose()  # type: ignore[union-attr]  # settlements under way reach the store
+            await key_limits.aclose()  # settlements under way reach the store
             if watching is not None and store is not None:
                 watching.cancel()
                 await asyncio.gather(watching, return_exceptions=True)
@@ -118,7 +116,7 @@ def create_app(
             await state.router.aclose()  # shadow requests: cancelled, they never hold the shutdown up
             await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
             json_parser.close()
-            await state.responses.aclose()  # type: ignore[union-attr]
+            await stored_responses.aclose()
             metrics.close()
             if tracing is not None:
                 await tracing.aclose()  # after the drain and the shadows: every request's spans have ended
@@ -210,7 +208,7 @@ class _UnavailableBackend:
     def max_model_len(self) -> int | None:
         return None
 
-    def generate(self, request):  # type: ignore[no-untyped-def]
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
         from backends.errors import UnavailableError
 
         raise UnavailableError(self._reason)

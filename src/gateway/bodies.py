@@ -114,7 +114,7 @@ class OffloadedJSONRoute(APIRoute):
                         body = model.model_validate(await request.json())
                     except (ValueError, RecursionError):  # broken JSON or a ValidationError: FastAPI's error
                         return await handler(request)
-                    return await endpoint(**{body_name: body, request_name: request})  # type: ignore[no-any-return]
+                    return await endpoint(**{body_name: body, request_name: request})
             return await handler(request)
 
         return parse_large_bodies_elsewhere

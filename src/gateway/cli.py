@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -66,10 +65,7 @@ def ranks(
 
     Exits 1 when a rank fails (its group restarts whole, by whatever runs the nodes), 0 on SIGTERM or when the
     group stopped together."""
-    from backends.config import DeepInferBackendConfig, ReferenceBackendConfig
-    from backends.registry import node_worker_plan
-    from backends.workers.keys import keys_for
-    from backends.workers.node import NodeShare, RankNode, bind_address
+    from backends.registry import rank_node
     from gateway.logs import configure_logging
 
     try:
@@ -82,20 +78,11 @@ def ranks(
     try:
         if chosen is None:
             raise ValueError(f"no backend {backend!r} (declared: {[b.name for b in settings.backends]})")
-        if not isinstance(chosen, ReferenceBackendConfig | DeepInferBackendConfig) or not chosen.worker_endpoints:
-            raise ValueError(f"backend {backend!r} lists no worker_endpoints: the gateway starts its ranks itself")
-        endpoints = chosen.worker_endpoints
-        share = NodeShare(len(endpoints), nodes, node)
-        plan = node_worker_plan(chosen, share.ranks, master_addr)
-        bound = [bind_address(endpoints[rank], host) for rank in share.ranks]
-        for address in bound:
-            keys = keys_for(address, chosen.rank_keys)
-            if keys is not None:
-                keys.rank_public()  # the key files are there and readable, before any rank starts
+        node_share = rank_node(chosen, nodes, node, host, master_addr)
     except ValueError as exc:
         typer.echo(f"ranks: {exc}", err=True)
         raise typer.Exit(2) from exc
-    raise typer.Exit(RankNode(backend, plan, share.ranks, bound).run())
+    raise typer.Exit(node_share.run())
 
 
 @app.command("rank-keys")
@@ -106,10 +93,11 @@ def rank_keys(
 
     Make a Kubernetes Secret of the directory (kubectl create secret generic NAME --from-file=DIR) and mount it
     where rank_keys points, on the gateway and on every rank node. Existing key files are never overwritten."""
-    from backends.workers.keys import RankKeysError, create_keys
+    from backends.errors import RankKeysError
+    from backends.registry import create_rank_keys
 
     try:
-        written = create_keys(directory)
+        written = create_rank_keys(directory)
     except (RankKeysError, OSError) as exc:
         typer.echo(f"rank-keys: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -170,7 +158,7 @@ def config_check(
 
 
 def _positive_int(text: str, option: str) -> int:
-    from gateway.bench.config import BenchConfigError
+    from loadgen.config import BenchConfigError
 
     if not text.isdigit() or int(text) < 1:
         raise BenchConfigError(f"{option}: {text!r} is not a positive integer or auto")
@@ -224,8 +212,14 @@ def bench(
     """Benchmark OpenAI-compatible servers: TTFT, TPOT, ITL, E2E percentiles, throughput, goodput and cost."""
     import json
 
-    from gateway.bench.config import BenchConfig, BenchConfigError, LengthSpec, parse_levels, parse_slo
-    from gateway.bench.runner import BenchRun
+    try:  # the load generator is a package of its own, which the server image leaves out
+        from loadgen.config import BenchConfig, BenchConfigError, LengthSpec, parse_levels, parse_slo
+        from loadgen.runner import BenchRun
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "loadgen":
+            raise
+        typer.echo("bench needs the loadgen package, which this installation (the server image) leaves out", err=True)
+        raise typer.Exit(2) from exc
 
     try:
         extra = json.loads(extra_body) if extra_body else {}
@@ -275,4 +269,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -23,7 +23,7 @@ from backends.errors import (
     UpstreamError,
 )
 from gateway.anthropic import errors as anthropic_errors
-from gateway.openai.protocol import MissingParameter, ParameterError, UnsupportedParameter, shown
+from gateway.openai.parameters import MissingParameter, ParameterError, UnsupportedParameter, shown
 
 logger = logging.getLogger(__name__)
 

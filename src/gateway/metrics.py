@@ -15,7 +15,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from backends.engine.driver import DriverStats
+from backends.interface import DrivenBackend, MetricFamiliesBackend, MetricSamplesBackend
+from gateway.capabilities import GatedBackend, capability
 
 if TYPE_CHECKING:
     from backends.interface import Backend, Usage
@@ -340,7 +341,7 @@ class _BackendCollector(Collector):
     def __init__(self, backends: list[Backend]) -> None:
         self._backends = backends
 
-    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         ready = GaugeMetricFamily("gateway_backend_ready", "1 when the backend can take requests.", labels=["backend"])
         steps = CounterMetricFamily("gateway_engine_steps", "Engine steps driven.", labels=["backend"])
         tokens = CounterMetricFamily("gateway_engine_output_tokens", "Tokens read from the engine.", labels=["backend"])
@@ -366,20 +367,21 @@ class _BackendCollector(Collector):
             "gateway_admission_rejected", "Requests refused with 503 (queue full or wait too long).", labels=["backend"]
         )
         for backend in self._backends:
-            gate = getattr(backend, "gate", None)
-            if gate is not None:
+            if isinstance(backend, GatedBackend):
+                gate = backend.gate
                 admitted.add_metric([backend.name], gate.in_flight)
                 queued.add_metric([backend.name], gate.queued)
                 rejected.add_metric([backend.name], gate.rejected)
             ready.add_metric([backend.name], 1.0 if backend.readiness()[0] else 0.0)
-            driver = getattr(backend, "driver", None)
-            if driver is not None:
-                steps.add_metric([backend.name], driver.stats.steps)
-                tokens.add_metric([backend.name], driver.stats.tokens)
-                if isinstance(driver.stats, DriverStats):
-                    paced.add_metric([backend.name], driver.stats.backpressure_seconds)
-                busy.add_metric([backend.name], driver.stats.busy_seconds)
-                inside.add_metric([backend.name], driver.stats.engine_seconds)
+            driven = capability(backend, DrivenBackend)
+            if driven is not None:
+                driver = driven.driver
+                stats = driver.stats
+                steps.add_metric([backend.name], stats.steps)
+                tokens.add_metric([backend.name], stats.tokens)
+                paced.add_metric([backend.name], stats.backpressure_seconds)
+                busy.add_metric([backend.name], stats.busy_seconds)
+                inside.add_metric([backend.name], stats.engine_seconds)
                 running.add_metric([backend.name], driver.in_flight)
         yield from (ready, steps, tokens, busy, inside, paced, running, admitted, queued, rejected)
         yield from self._engine_samples()
@@ -390,10 +392,10 @@ class _BackendCollector(Collector):
         node); families of the same name from several backends are merged into one."""
         merged: dict[str, Metric] = {}
         for backend in self._backends:
-            families = getattr(backend, "metric_families", None)
-            if families is None:
+            labelled = capability(backend, MetricFamiliesBackend)
+            if labelled is None:
                 continue
-            for family in families():
+            for family in labelled.metric_families():
                 existing = merged.get(family.name)
                 if existing is None:
                     merged[family.name] = family
@@ -406,10 +408,10 @@ class _BackendCollector(Collector):
         ``gateway_<name>{backend}``; the gateway needs to know nothing about the engine behind them."""
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for backend in self._backends:
-            samples = getattr(backend, "metric_samples", None)
-            if samples is None:
+            sampled = capability(backend, MetricSamplesBackend)
+            if sampled is None:
                 continue
-            for name, kind, documentation, value in samples():
+            for name, kind, documentation, value in sampled.metric_samples():
                 family = families.get(name)
                 if family is None:
                     family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily

@@ -25,10 +25,9 @@ from fastapi import FastAPI
 from prometheus_client import multiprocess
 from uvicorn.server import ServerState
 
-from backends.config import BackendConfig, DeepInferBackendConfig, ReferenceBackendConfig
-from backends.heap import cap_mmap_threshold
-from backends.workers.driver import WorkerPlan
-from backends.workers.host import RankHost
+from backends.config import BackendConfig
+from backends.interface import RankHosting
+from backends.registry import prepare_serving_process, rank_host
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.connections import (
@@ -129,7 +128,7 @@ def _serve(
     # The engine thread and the event loop share the GIL. With the default 5 ms switch interval, every numpy or
     # C++ call that releases the GIL on the engine thread can wait up to 5 ms to get it back from a busy loop.
     sys.setswitchinterval(settings.server.gil_switch_interval)
-    cap_mmap_threshold()  # multi-MiB bodies and prompts go back to the OS when freed (backends/heap.py)
+    prepare_serving_process()  # multi-MiB bodies and prompts go back to the OS when freed (backends/heap.py)
     server = settings.server
     if probe_socket is None and server.probe_port is not None:
         probe_socket = bind(server.host, server.probe_port)
@@ -194,8 +193,10 @@ def uvicorn_config(settings: GatewayConfig, app: FastAPI, guard: ConnectionGuard
         http=guard.protocol(),
         log_config=None,
         access_log=False,
-        timeout_keep_alive=settings.server.keep_alive_timeout,
-        timeout_graceful_shutdown=settings.server.drain_seconds,
+        # uvicorn annotates these int but uses them as seconds for call_later / wait_for, so fractions work;
+        # int() would cut a configured 0.5 s to 0.
+        timeout_keep_alive=settings.server.keep_alive_timeout,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=settings.server.drain_seconds,  # type: ignore[arg-type]
     )
 
 
@@ -204,21 +205,6 @@ def run_server(settings: GatewayConfig) -> None:
         _serve(settings)
     else:
         FrontEndSupervisor(settings).run()
-
-
-def hosted_plan(backend: BackendConfig) -> WorkerPlan | None:
-    """The rank workers the front-end supervisor starts for this backend, once for every front end (None: each
-    front end serves it alone, or its ranks are started elsewhere). Every DeepInfer engine, even a single one,
-    lives in a rank worker: N front ends cannot each build an engine on the same devices."""
-    if isinstance(backend, ReferenceBackendConfig) and backend.uses_workers and not backend.worker_endpoints:
-        from backends.reference.backend import reference_worker_plan
-
-        return reference_worker_plan(backend)
-    if isinstance(backend, DeepInferBackendConfig) and not backend.worker_endpoints:
-        from backends.deepinfer.backend import deepinfer_worker_plan
-
-        return deepinfer_worker_plan(backend)
-    return None
 
 
 class FrontEndSupervisor:
@@ -234,16 +220,15 @@ class FrontEndSupervisor:
         self.stopping = False
         self.workers: list[multiprocessing.process.BaseProcess | None] = []
         """One slot per front-end process; None once a process has ended for good (while stopping)."""
-        self.hosts: list[RankHost] = []
+        self.hosts: list[RankHosting] = []
 
     def _host_ranks(self, run_dir: str) -> GatewayConfig:
         """Starts the ranks of every backend that has them; returns the settings the front ends run with (those
         backends' ranks as ``worker_endpoints``)."""
         backends: list[BackendConfig] = []
         for backend in self.settings.backends:
-            plan = hosted_plan(backend)
-            if plan is not None:
-                host = RankHost(backend.name, plan, run_dir)
+            host = rank_host(backend, run_dir)
+            if host is not None:
                 host.start()
                 self.hosts.append(host)
                 backend = backend.model_copy(update={"worker_endpoints": host.endpoints})

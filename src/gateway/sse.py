@@ -1,22 +1,51 @@
 """Server-sent events written straight to the ASGI server, and the watch for a client that goes away.
 
-One streamed request costs one extra task: :class:`DisconnectWatch` waits for ``http.disconnect`` and cancels
-the request's own task when it comes, wherever that task is waiting (the first token, a backend's next event, a
-send to a client that stopped reading). The frames are pulled and sent in the request's task itself, so a stream
-needs no task group, no lock and no timer per frame. Keep-alive pings are a timer that looks at the time of the
-last write when it fires; a send is given the stall timeout only when it could not complete at once (the ASGI
-server blocks a send only while the client's socket buffer is full).
+What it does. :class:`EventStreamResponse` sends ``http.response.start``, then one ``http.response.body`` message
+per frame its ``content`` iterator yields (the caller, ``gateway.streaming``, yields one frame per burst of ready
+events), then the empty last message. The frames are pulled and sent by one task of their own, which the request's
+task awaits: each frame's wake-up then resumes that task's few coroutine frames instead of the whole ASGI middleware
+stack above this response (issue 23: about a third fewer Python calls per frame). A stream needs no task group, no
+lock and no timer per frame. Beside the frames task, :class:`DisconnectWatch` waits for ``http.disconnect`` and
+cancels the request's task when it comes; a cancelled task cancels the task it awaits, so the cancellation reaches
+the frames wherever they wait (the first token, a backend's next event, a send to a client that stopped reading).
+Keep-alive pings are one timer per stream that looks at the time of the last write when it fires. A send is given
+the stall timeout only when it could not complete at once (the ASGI server blocks a send only while the client's
+socket buffer is full).
 
-sse-starlette (``EventSourceResponse``) did the same with four tasks per stream, an anyio task group and a lock
-plus a cancel scope per write. Measured against a whole (non-streamed) response on the same upstream, it added
-about 0.8 ms of CPU per stream and this writer 0.1-0.3 ms (issue 15): a third of a 64-chunk stream's cost.
+The asyncio contract behind that last point (:func:`send_within`). ``send(message)`` is a coroutine; instead of
+``await``-ing it, it is stepped once by hand with ``.send(None)``. ``StopIteration`` means it finished without
+waiting: the usual case, which costs no timer. Otherwise the step stopped at an ``await`` on some future and
+handed that future out (``pending``); this is the object the coroutine would have yielded to the Task had it been
+awaited. ``resume(step, pending)`` (``gateway.bursts``) "re-yields the future to the Task": its ``__await__``
+yields ``pending`` unchanged, so the Task parks on it exactly as on a plain ``await`` (it adds its wake-up callback
+to the future), then passes the value or the exception it is woken with (a cancellation included) back into the
+stepped coroutine with ``send`` / ``throw``, until that coroutine returns. It is safe because a Task only ever
+sees what coroutines yield, and an ``await`` chain is nothing but each frame yielding its inner frame's future
+upwards: one more frame doing the same by hand is indistinguishable. The rules it relies on: the first step runs
+inside the same Task that later awaits the rest (the frames task, whose context variables are copied from the
+request's and whose cancellation comes from the request's), a started step is always either finished or thrown
+into (never dropped), and the future is yielded as it came (never wrapped, never awaited by another task).
+
+Why not Starlette's ``StreamingResponse`` or sse-starlette. Under uvicorn (ASGI spec 2.3) ``StreamingResponse``
+runs every stream in an anyio task group with a second task listening for the disconnect, and pings and a stall
+timeout need a timer task and an ``asyncio.timeout`` per send beside it; sse-starlette's ``EventSourceResponse``
+uses four tasks per stream, a task group and a lock plus a cancel scope per write. Both were measured in place of
+this module (and of ``gateway.bursts``) with ``bench/gateway_overhead.py --stream-variants`` (issue 25: fake
+upstream, 64-chunk streams, every variant pinned to the same core, interleaved; the table is in the README, "Why
+not sse-starlette"): gateway CPU per streamed request was a median 1.17x ours with ``StreamingResponse`` plus a
+ping timer (0.95x-1.39x over eight cells: concurrency 1 and 64, chunks at once or 1 ms apart, two runs each) and
+1.11x-1.72x with sse-starlette; at concurrency 64, chunks 1 ms apart, the time to first token the gateway adds was
+1.35x-1.53x (``StreamingResponse``) and 3.6x-4.5x (sse-starlette) ours. Earlier, against a whole (non-streamed)
+response on the same upstream, sse-starlette added about 0.8 ms of CPU per stream and this writer 0.1-0.3 ms
+(issue 15).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from typing import Any, cast
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -68,19 +97,30 @@ class DisconnectWatch:
             self._watcher.cancel()
 
 
+def _as_coroutine(sending: Awaitable[None]) -> Coroutine[Any, Any, None]:
+    """ASGI's ``send`` is typed as returning an awaitable; every server's (uvicorn's, Starlette's test client's) is an
+    ``async def``, whose coroutine can be stepped by hand."""
+    return cast("Coroutine[Any, Any, None]", sending)
+
+
 async def send_within(send: Send, message: Message, stall: float | None) -> None:
     """``send(message)``; if it has to wait (the client is not reading), at most ``stall`` seconds more."""
-    step = send(message)
+    step = _as_coroutine(send(message))
     try:
-        pending = step.send(None)  # type: ignore[attr-defined]
+        pending = step.send(None)
     except StopIteration:
         return  # written at once: the usual case costs no timer
+    await finish_send(step, pending, stall)
+
+
+async def finish_send(step: Coroutine[Any, Any, None], pending: Any, stall: float | None) -> None:
+    """The rest of a send that could not complete at once (``step`` yielded ``pending``), within ``stall``."""
     if stall is None:
-        await resume(step, pending)  # type: ignore[arg-type]
+        await resume(step, pending)
         return
     try:
         async with asyncio.timeout(stall):
-            await resume(step, pending)  # type: ignore[arg-type]
+            await resume(step, pending)
     except TimeoutError:
         raise SendStalledError from None
 
@@ -98,7 +138,7 @@ class EventStreamResponse(Response):
 
     def __init__(
         self,
-        content: AsyncIterator[bytes],
+        content: AsyncGenerator[bytes, None],
         watch: DisconnectWatch,
         on_end: Callable[[bool], None],
         *,
@@ -130,9 +170,10 @@ class EventStreamResponse(Response):
             self._last_write = loop.time()
             if self._ping_seconds:
                 self._timer = loop.call_later(self._ping_seconds, self._ping_due, send)
-            async for frame in self._content:
-                await send_within(send, {"type": "http.response.body", "body": frame, "more_body": True}, stall)
-                self._last_write = loop.time()
+            # The frames are pulled and written by a task of their own, which the request's task awaits: waking
+            # for each frame resumes that task's few frames, not the whole ASGI middleware stack above this one.
+            # The watch's cancellation of the request's task reaches it (a cancelled task cancels what it awaits).
+            await loop.create_task(self._write_frames(send, stall))
             self._watch.close()  # the end of the response makes ``receive`` report a disconnect
             await send_within(send, {"type": "http.response.body", "body": b"", "more_body": False}, stall)
         except SendStalledError:
@@ -143,13 +184,28 @@ class EventStreamResponse(Response):
         finally:
             await self._end(stalled)
 
+    async def _write_frames(self, send: Send, stall: float | None) -> None:
+        """Every frame of ``content``, each one write (``send_within`` inlined: a frame written at once, the usual
+        case, costs no coroutine of its own)."""
+        time = asyncio.get_running_loop().time
+        send_step = cast("Callable[[Message], Coroutine[Any, Any, None]]", send)  # see _as_coroutine
+        async for frame in self._content:
+            step = send_step({"type": "http.response.body", "body": frame, "more_body": True})
+            try:
+                pending = step.send(None)
+            except StopIteration:
+                pass
+            else:
+                await finish_send(step, pending, stall)
+            self._last_write = time()
+
     async def _end(self, stalled: bool) -> None:
         self._watch.close()
         if self._timer is not None:
             self._timer.cancel()
         if self._pinger is not None:
             self._pinger.cancel()
-        await self._content.aclose()  # type: ignore[attr-defined]
+        await self._content.aclose()
         self._on_end(stalled)
 
     def _ping_due(self, send: Send) -> None:

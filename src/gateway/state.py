@@ -13,7 +13,7 @@ from gateway.anthropic.signatures import ThinkingSigner
 from gateway.config import GatewayConfig
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
-from gateway.response_store import StoredResponses
+from gateway.responses.store import StoredResponses
 from gateway.router import ModelRouter
 from gateway.state_store import SharedStateStore
 

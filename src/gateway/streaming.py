@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, NamedTuple, Protocol
 
@@ -18,8 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from backends.errors import BackendError, BackendTimeoutError, SlowClientError
-from backends.interface import Delta, Event, Finish, PromptEcho, Usage
-from backends.streams import interleave
+from backends.interface import Delta, Event, EventStream, Finish, PromptEcho, Usage, interleave
 from gateway.bursts import BurstReader
 from gateway.errors import APIError, api_error_from_backend, public_error
 from gateway.metrics import RequestObserver
@@ -249,7 +248,7 @@ def _record(observer: RequestObserver, outcome: _Outcome, stalled: bool) -> None
 
 async def stream_response(
     request: Request,
-    events: AsyncIterator[Event],
+    events: EventStream[Event],
     fmt: WireFormat,
     observer: RequestObserver,
     *,
@@ -272,7 +271,7 @@ async def stream_response(
         raise
     outcome = _Outcome()
 
-    async def frames() -> AsyncIterator[bytes]:
+    async def frames() -> AsyncGenerator[bytes, None]:
         """The response body: every frame the backend had ready goes out in one send (a burst), so events that
         arrived together (one network read, a step's outputs queued while the loop was busy) cost one write."""
 
@@ -286,7 +285,9 @@ async def stream_response(
 
         reader = BurstReader(events)
         waits = _WaitDeadline(deadline) if deadline is not None else None
+        output, frame_of = observer.output, fmt.frame
         burst: list[bytes] = []
+        event: Event | None
         try:
             for event in head:  # the first token goes out at once
                 frame = render(event)
@@ -300,13 +301,17 @@ async def stream_response(
                     event = reader.ready()
                     if event is None:  # the backend has nothing more for now: send what it had, then wait
                         if burst:
-                            yield b"".join(burst)
+                            yield burst[0] if len(burst) == 1 else b"".join(burst)
                             burst.clear()
                         event = await (reader.wait() if waits is None else waits.wait(reader.wait))
                 except StopAsyncIteration:
                     outcome.status = 200
                     break
-                frame = render(event)
+                if type(event) is Delta:  # the common event, rendered here: no call of ``render`` per frame
+                    output(event.tokens, event.prompt_tokens)
+                    frame = frame_of(event)
+                else:
+                    frame = render(event)
                 if frame is not None:
                     burst.append(frame)
                     if len(burst) >= MAX_BURST:
@@ -348,7 +353,7 @@ async def stream_response(
 
 async def whole_response(
     request: Request,
-    events: AsyncIterator[Event],
+    events: EventStream[Event],
     fmt: WireFormat,
     observer: RequestObserver,
     *,
@@ -395,7 +400,7 @@ async def whole_response(
 
 
 async def _ended_early(
-    watch: DisconnectWatch, events: AsyncIterator[Event], observer: RequestObserver, exc: BaseException
+    watch: DisconnectWatch, events: EventStream[Event], observer: RequestObserver, exc: BaseException
 ) -> bool:
     """Ends a request whose wait for the backend raised ``exc``: the backend's work is aborted and the request
     counted. True when ``exc`` was the client leaving (its cancellation is withdrawn), else the caller re-raises."""
@@ -418,7 +423,7 @@ def _observe_failure(observer: RequestObserver, exc: BaseException) -> None:
         observer.finish(500, code="internal_error")
 
 
-async def merge_prompts(streams: list[AsyncIterator[Event]], n: int) -> AsyncIterator[Event]:
+async def merge_prompts(streams: list[EventStream[Event]], n: int) -> AsyncGenerator[Event, None]:
     """Runs one event stream per prompt concurrently, renumbering choices ``prompt_index * n + i`` and
     adding the usages up, as OpenAI does for a list of prompts."""
     prompt_tokens = completion_tokens = 0

@@ -41,7 +41,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -56,7 +56,17 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.types import Scope
 
 from backends.errors import BackendError
-from backends.interface import Backend, Delta, Event, Finish, GenerateRequest, TraceStage, TraceValue, Usage
+from backends.interface import (
+    Backend,
+    Delta,
+    Event,
+    EventStream,
+    Finish,
+    GenerateRequest,
+    TraceStage,
+    TraceValue,
+    Usage,
+)
 from gateway import __version__
 from gateway.tracing_config import TracingConfig
 
@@ -240,7 +250,7 @@ class BackendCall:
         self._finishes: list[str] = []
         self._usage: Usage | None = None
         self._ended = False
-        self.backend: Backend = _TracedBackend(backend, self)  # type: ignore[assignment]
+        self.backend: Backend = _TracedBackend(backend, self)
 
     # ---- CallTrace: what the backend reports ----------------------------------------------------------------
 
@@ -303,24 +313,42 @@ class BackendCall:
         elif exc is not None:
             attributes["error.type"] = type(exc).__name__
             span.set_status(Status(StatusCode.ERROR, str(exc)))
-        span.set_attributes(attributes)  # type: ignore[arg-type]
+        span.set_attributes(attributes)
         span.end(end_time=now)
 
 
 class _TracedBackend:
-    """A backend as one traced call sees it: the requests it is asked to generate carry the call's trace."""
+    """A backend as one traced call sees it: the requests it is asked to generate carry the call's trace; its
+    optional capabilities are ``inner``'s (``gateway.capabilities``)."""
 
-    __slots__ = ("_backend", "_call")
+    __slots__ = ("_call", "inner")
 
     def __init__(self, backend: Backend, call: BackendCall) -> None:
-        self._backend = backend
+        self.inner = backend
         self._call = call
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
+    @property
+    def name(self) -> str:
+        return self.inner.name
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        return self._backend.generate(dataclasses.replace(request, trace=self._call))
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+    def readiness(self) -> tuple[bool, str]:
+        return self.inner.readiness()
+
+    def max_model_len(self) -> int | None:
+        return self.inner.max_model_len()
+
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
+        return self.inner.generate(dataclasses.replace(request, trace=self._call))
 
 
 def _request_attributes(attributes: dict[str, TraceValue], request: GenerateRequest) -> None:

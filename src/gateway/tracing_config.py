@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -25,7 +25,7 @@ Sampler = Literal[
     "always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
     "parentbased_traceidratio",
 ]  # fmt: skip
-SAMPLERS: tuple[str, ...] = Sampler.__args__  # type: ignore[attr-defined]
+SAMPLERS: tuple[str, ...] = get_args(Sampler)
 DEFAULT_ENDPOINT = "http://localhost:4318"
 TRACES_PATH = "/v1/traces"
 

@@ -25,7 +25,8 @@ import yaml
 
 from gateway.budgets import Draw, RedisBudgets, bucket_key
 from gateway.config import load_config
-from gateway.response_store import RedisResponseStore, StoredResponse
+from gateway.responses.records import StoredResponse
+from gateway.responses.redis_store import RedisResponseStore
 
 from ..conftest import wait_until
 from ..valkey import VALKEY_SERVER

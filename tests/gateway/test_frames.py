@@ -7,7 +7,7 @@ import json
 import pytest
 
 from backends.interface import Delta, Finish, TokenLogprob, TopLogprob, Usage
-from gateway.openai.responses import ChatFormat, CompletionFormat
+from gateway.openai.output import ChatFormat, CompletionFormat
 
 TEXTS = ["plain", "", 'quote " and \\ backslash', "line\nbreak\ttab\x00nul\x1f", "ünïcødé 漢字 🙂", "</script>"]
 

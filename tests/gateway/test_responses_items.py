@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.openai.protocol import UnsupportedParameter
-from gateway.openai.responses_api import CreateResponseRequest, chat_messages
+from gateway.openai.parameters import UnsupportedParameter
+from gateway.responses.protocol import CreateResponseRequest, chat_messages
 
 
 def _items(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -17,17 +17,11 @@ import structlog
 from pydantic import ValidationError
 
 from gateway.config import GatewayConfig
-from gateway.response_store import (
-    NOT_KEPT,
-    MemoryResponseStore,
-    RedisResponseStore,
-    ResponseStore,
-    ResponseStoreError,
-    SQLiteResponseStore,
-    StoredResponse,
-    StoredResponses,
-    open_response_store,
-)
+from gateway.responses.memory_store import MemoryResponseStore
+from gateway.responses.records import NOT_KEPT, ResponseStore, ResponseStoreError, StoredResponse
+from gateway.responses.redis_store import RedisResponseStore
+from gateway.responses.sqlite_store import SQLiteResponseStore
+from gateway.responses.store import StoredResponses, open_response_store
 
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway
 from ..valkey import ValkeyServer

@@ -180,9 +180,9 @@ class TorchDataParallelGroup:
     """
 
     def __init__(self) -> None:
-        import torch  # type: ignore[import-not-found]
-        import torch.distributed as dist  # type: ignore[import-not-found]
-        from deepinfer.model_executor.parallel_utils.parallel_state import PG  # type: ignore[import-not-found]
+        import torch
+        import torch.distributed as dist
+        from deepinfer.model_executor.parallel_utils.parallel_state import PG
 
         self._torch = torch
         self._dist = dist

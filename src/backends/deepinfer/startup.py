@@ -115,11 +115,11 @@ def import_deepinfer() -> DeepInferModules:
         # torch first: deepinfer._C is a torch C++ extension built without an rpath to torch's libraries (libc10.so
         # and friends), which it finds only once torch has loaded them. deepinfer's __init__ never imports torch,
         # and its own modules always import torch before _C.
-        import deepinfer  # type: ignore[import-not-found]
-        import torch  # type: ignore[import-not-found]  # noqa: F401
-        from deepinfer._C.engine import RequestOutput  # type: ignore[import-not-found]
-        from deepinfer.engine.arg_utils import EngineArgs  # type: ignore[import-not-found]
-        from deepinfer.engine.llm_engine import LLMEngine  # type: ignore[import-not-found]
+        import deepinfer
+        import torch  # noqa: F401
+        from deepinfer._C.engine import RequestOutput
+        from deepinfer.engine.arg_utils import EngineArgs
+        from deepinfer.engine.llm_engine import LLMEngine
     except (ImportError, OSError, SyntaxError) as exc:  # OSError: a shared library of torch or CUDA is missing
         python = (
             "" if sys.version_info >= (3, 12) else f" DeepInfer needs Python 3.12; this is {platform.python_version()}."
@@ -136,7 +136,7 @@ def import_deepinfer() -> DeepInferModules:
 def check_accelerator(config: DeepInferBackendConfig) -> None:
     """Refuses unsupported hardware before the weights load; DeepInfer's own check runs only after loading."""
     try:
-        from deep_cluster.hardware import accelerator_kind, get_bf16_tflops_limit  # type: ignore[import-not-found]
+        from deep_cluster.hardware import accelerator_kind, get_bf16_tflops_limit
     except ImportError as exc:
         logger.warning("cannot check the accelerator before loading (%s); DeepInfer checks it after loading", exc)
         return

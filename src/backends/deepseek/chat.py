@@ -13,13 +13,14 @@ except that effort ``none``/``minimal`` always means chat mode). Otherwise the b
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
 
 from backends.deepseek.effort import v41_effort
-from backends.deepseek.encoding import (
+from backends.deepseek.encoding import encode_messages, prompt_ends_in_thinking
+from backends.deepseek.markers import (
     DSML_CALLS_END,
     DSML_CALLS_START,
     DSML_INVOKE_END,
@@ -28,18 +29,11 @@ from backends.deepseek.encoding import (
     DSML_PARAMETER_START,
     THINK_END,
     THINK_START,
-    encode_messages,
-    prompt_ends_in_thinking,
 )
 from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
-from backends.deepseek.structured import (
-    ConstraintLimitError,
-    ToolSchemaError,
-    check_constraint_size,
-    check_json_schema,
-    response_format_so_args,
-    tool_call_grammar,
-)
+from backends.deepseek.response_format import response_format_so_args
+from backends.deepseek.schema_checks import ConstraintLimitError, check_constraint_size, check_json_schema
+from backends.deepseek.tool_call_grammar import ToolSchemaError, tool_call_grammar
 from backends.engine.backend import ChatPrompt
 from backends.errors import InvalidRequestError
 from backends.interface import REQUEST_FEATURES, GenerateRequest
@@ -65,7 +59,7 @@ class DeepSeekV41ChatTemplate:
     """Renders chat requests in the V4.1 format and says how to decode and parse their output."""
 
     features = frozenset(REQUEST_FEATURES)
-    output_markers = OUTPUT_MARKERS
+    output_markers: Sequence[str] = OUTPUT_MARKERS
 
     def __init__(self, *, default_thinking: bool = False) -> None:
         self.default_thinking = default_thinking
@@ -95,11 +89,12 @@ class DeepSeekV41ChatTemplate:
             )
         single_call = request.parallel_tool_calls is False
         if forced is not None:
-            _check_forced_sizes(forced, tools)  # type: ignore[arg-type]
+            assert tools is not None, "a forced call is among the request's tools"
+            _check_forced_sizes(forced, tools)
             try:
                 grammar = tool_call_grammar([tool["function"] for tool in forced], parallel=not single_call)
             except ToolSchemaError as exc:
-                where = f"tools[{tools.index(forced[exc.index])}].function.parameters"  # type: ignore[union-attr]
+                where = f"tools[{tools.index(forced[exc.index])}].function.parameters"
                 if exc.where:
                     where += "." + exc.where
                 raise InvalidRequestError(f"{where}: {exc}", param=where) from None
@@ -203,14 +198,18 @@ def _tool_choice(
     if tool_choice is None:
         return ("auto" if tools else "none"), None
     if tool_choice in ("none", "auto"):
-        return tool_choice, None  # type: ignore[return-value]
+        return tool_choice, None
     if not tools:
         raise InvalidRequestError("tool_choice requires tools to be given", param="tool_choice")
     if tool_choice == "required":
         return "required", tools
     function = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
     name = function.get("name") if isinstance(function, Mapping) else None
-    if not isinstance(name, str) or tool_choice.get("type", "function") != "function":  # type: ignore[union-attr]
+    if (
+        not isinstance(name, str)
+        or not isinstance(tool_choice, Mapping)
+        or tool_choice.get("type", "function") != "function"
+    ):
         raise InvalidRequestError(
             'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
             param="tool_choice",

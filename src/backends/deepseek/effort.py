@@ -9,7 +9,7 @@ words onto those levels here, so the table lives in one place.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 V41_EFFORTS: Mapping[str, int] = {"low": 50, "high": 75, "xhigh": 75, "max": 100}
 """The named efforts of DeepSeek's released V4.1 encoder and the number each prints (``xhigh`` prints the same 75
@@ -31,7 +31,7 @@ OPENAI_EFFORTS: Mapping[str, str | None] = {
 and V4.1 has no such level: it maps to V4.1's own default, ``high``."""
 
 
-def is_effort_number(value: Any) -> bool:
+def is_effort_number(value: Any) -> TypeGuard[int]:
     """An integer effort V4.1 accepts as is (1-100; a bool is not a number here)."""
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 100
 
@@ -44,7 +44,7 @@ def effort_value(effort: str | int | None) -> int:
     if effort is None:
         return V41_EFFORTS[DEFAULT_V41_EFFORT]
     if is_effort_number(effort):
-        return effort  # type: ignore[return-value]
+        return effort
     if isinstance(effort, str) and effort in V41_EFFORTS:
         return V41_EFFORTS[effort]
     raise ValueError(

@@ -12,10 +12,10 @@ xgrammar's strict mode:
   keys unless ``additionalProperties`` allows them (an object that declares no properties allows any);
 - arrays: ``items``, ``prefixItems``, ``minItems`` / ``maxItems`` (an array without ``items`` holds any JSON);
 - strings: ``minLength`` / ``maxLength`` (in characters, an escape counts as one), ``pattern`` and the
-  ``format``s of ``regex_grammar.FORMATS`` (``regex_grammar``);
+  ``format``s of ``regex_grammar.FORMATS`` (``string_grammar``, ``regex_grammar``);
 - integers and numbers: ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (a bounded
   number is written without an exponent, with at most 16 decimals; bounds of at most ``MAX_BOUND_DIGITS``
-  digits).
+  digits: ``number_grammar``).
 
 Refused with ``ValueError`` (a 400 naming the parameter), rather than silently unenforced: ``multipleOf``,
 ``minProperties`` / ``maxProperties``, ``pattern`` or ``format`` together with ``minLength`` / ``maxLength``,
@@ -27,17 +27,13 @@ make it): other ``format``s, ``not``, ``if``/``then``/``else``, ``uniqueItems``,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from backends.deepseek.arguments import pointer
-from backends.deepseek.gbnf import alternatives, class_char, json_literal, literal, repeat, text_literal
-from backends.deepseek.regex_grammar import string_shape
-
-JSON_CHAR_THEN = '[^"\\\\\\x00-\\x1f] {next} | "\\\\" (["\\\\/bfnrt] | "u" hex hex hex hex) {next}'
-"""One character of a JSON string, then ``next``: ``json-char`` spelled out in each alternative (xgrammar masks the
-tokens of a right-recursive string in microseconds only when the character class is not a rule of its own)."""
+from backends.deepseek.gbnf import alternatives, class_char, json_literal, literal, repeat
+from backends.deepseek.json_schema import pointer
+from backends.deepseek.number_grammar import integer_value, number_value
+from backends.deepseek.string_grammar import JSON_CHAR_THEN, StringGrammar
 
 BASE_RULES = (
     'json-string ::= "\\"" json-char* "\\""',
@@ -56,16 +52,8 @@ BASE_RULES = (
 )
 """Rules every compiled schema may use, defined once per grammar (with ``json_value_rules``)."""
 
-MAX_BOUND_DIGITS = 20
-"""Numeric bounds up to 10**20 (every 64-bit integer) are compiled; a larger one is refused, as its digit-by-digit
-rules would grow with it (and a bound near 10**1500 is no bound a tool means)."""
-
 REFUSED_KEYWORDS = ("multipleOf", "minProperties", "maxProperties")
 """Keywords a forced call cannot enforce in GBNF here: refused (400) rather than silently ignored."""
-
-STRING_CHAIN = 256
-"""Strings bounded by ``maxLength`` up to this many characters compile to a chain of one rule per character (fast
-masks under xgrammar, as ``json-string-rest``); longer bounds use a plain repeat."""
 
 JSON_DEPTH = 4
 """Nesting depth of free-form JSON (``{}``, arrays without ``items``). Bounded so its rules are non-recursive:
@@ -108,7 +96,7 @@ class SchemaGrammar:
         self.prefix = prefix
         self.rules = rules
         self._refs: dict[str, str] = {}
-        self._chains: set[str] = set()
+        self._strings = StringGrammar(prefix, rules)
         self._count = 0
 
     def value(self, schema: Any) -> str:
@@ -210,11 +198,11 @@ class SchemaGrammar:
 
     def _typed(self, kind: str, schema: Mapping[str, Any]) -> str:
         if kind == "string":
-            return self._string(schema)
+            return self._strings.value(schema)
         if kind == "integer":
-            return self._integer(schema)
+            return integer_value(schema)
         if kind == "number":
-            return self._number(schema)
+            return number_value(schema)
         if kind == "boolean":
             return "json-bool"
         if kind == "null":
@@ -224,48 +212,6 @@ class SchemaGrammar:
         if kind == "array":
             return self._array(schema)
         raise ValueError(f"unknown type {kind!r}")
-
-    def _string(self, schema: Mapping[str, Any]) -> str:
-        shaped = string_shape(schema, "json")
-        if shaped is not None:
-            return f'"\\"" {shaped} "\\""'
-        low, high = schema.get("minLength", 0), schema.get("maxLength")
-        if not low and high is None:
-            return "json-text"
-        if high is not None and high < low:
-            raise ValueError("maxLength is below minLength: no string fits")
-        return f'"\\"" {self._string_rest(low, None if high is None else high - low)}'
-
-    def _string_rest(self, least: int, most: int | None) -> str:
-        """The rest of a string, ``least`` characters then at most ``most`` more (None: any), and its closing quote:
-        a chain of right-recursive rules (see ``json-string-rest``) up to ``STRING_CHAIN`` characters, a plain
-        repeat past it."""
-        if least == 0 and most is None:
-            return "json-string-rest"
-        if least + (most or 0) > STRING_CHAIN:
-            return f'{repeat("json-char", least, None if most is None else least + most)} "\\""'
-        name = f"{self.prefix}-s{least}-{'' if most is None else most}"
-        if name not in self._chains:
-            self._chains.add(name)
-            if least:
-                body = JSON_CHAR_THEN.format(next=self._string_rest(least - 1, most))
-            elif most == 0:
-                body = '"\\""'
-            else:
-                body = '"\\"" | ' + JSON_CHAR_THEN.format(next=self._string_rest(0, None if most is None else most - 1))
-            self._rule(body, name)
-        return name
-
-    def _integer(self, schema: Mapping[str, Any]) -> str:
-        low, high = integer_bounds(schema)
-        if low is None and high is None:
-            return "json-int"
-        return integer_range(low, high)
-
-    def _number(self, schema: Mapping[str, Any]) -> str:
-        if not any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
-            return "json-number"
-        return number_range(schema)
 
     def _object(self, schema: Mapping[str, Any]) -> str:
         properties = schema.get("properties")
@@ -365,137 +311,3 @@ class SchemaGrammar:
         if rest_low == 0:
             inner = f"({inner})?"
         return f'"[" ws {inner} ws "]"'
-
-
-# ---- numeric ranges ------------------------------------------------------------------------------------------
-
-
-def integer_bounds(schema: Mapping[str, Any]) -> tuple[int | None, int | None]:
-    """Inclusive integer bounds from ``minimum`` / ``maximum`` / ``exclusive*`` (drafts 4 and 6+)."""
-    low = high = None
-    minimum, maximum = schema.get("minimum"), schema.get("maximum")
-    ex_min, ex_max = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
-    if _is_number(minimum):
-        low = math.floor(minimum) + 1 if ex_min is True and float(minimum).is_integer() else math.ceil(minimum)
-    if _is_number(ex_min):
-        bound = math.floor(ex_min) + 1
-        low = bound if low is None else max(low, bound)
-    if _is_number(maximum):
-        high = math.ceil(maximum) - 1 if ex_max is True and float(maximum).is_integer() else math.floor(maximum)
-    if _is_number(ex_max):
-        bound = math.ceil(ex_max) - 1
-        high = bound if high is None else min(high, bound)
-    return low, high
-
-
-def _is_number(value: Any) -> bool:
-    """A usable bound; raises ``ValueError`` for one too large to compile (``MAX_BOUND_DIGITS``)."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return False
-    if isinstance(value, float) and not math.isfinite(value):
-        return False
-    if abs(value) >= 10**MAX_BOUND_DIGITS:
-        raise ValueError(f"a bound of {MAX_BOUND_DIGITS} digits or more is not supported in a forced tool call")
-    return True
-
-
-def integer_range(low: int | None, high: int | None) -> str:
-    """GBNF for the decimal integers in ``[low, high]`` (None: unbounded), without leading zeros or ``-0``."""
-    options = _signed_range(low, high)
-    if not options:
-        raise ValueError(f"no integer lies between {low} and {high}")
-    return alternatives(options)
-
-
-def number_range(schema: Mapping[str, Any]) -> str:
-    """GBNF for numbers within a schema's bounds: integers in range, and decimals whose whole part keeps them in.
-
-    A decimal ``k.f`` (``f`` not all zeros) lies strictly between ``k`` and ``k + 1`` (or ``-k - 1`` and
-    ``-k``), so it is allowed when that whole open interval is inside the bounds: a slightly smaller set than
-    the schema allows near fractional bounds, never a value outside them.
-    """
-    low, high = _real_bounds(schema)
-    options = _signed_range(
-        None if low is None else math.ceil(low[0]) + (1 if low[1] and float(low[0]).is_integer() else 0),
-        None if high is None else math.floor(high[0]) - (1 if high[1] and float(high[0]).is_integer() else 0),
-    )
-    fraction = '"." [0-9]{0,15} [1-9]'  # at most 16 decimals: past a double's precision, and a run must end
-    # k.f for k >= 0 needs low <= k and k + 1 <= high
-    pos_low = 0 if low is None else max(0, math.ceil(low[0]))
-    pos_high = None if high is None else math.floor(high[0]) - 1
-    if pos_high is None or pos_low <= pos_high:
-        options.append(f"{alternatives(_positive_range(pos_low, pos_high))} {fraction}")
-    # -k.f for k >= 0 lies in (-k-1, -k): needs -k-1 >= low and -k <= high
-    neg_low = 0 if high is None else max(0, math.ceil(-high[0]))
-    neg_high = None if low is None else math.floor(-low[0]) - 1
-    if neg_high is None or neg_low <= neg_high:
-        options.append(f'"-" {alternatives(_positive_range(neg_low, neg_high))} {fraction}')
-    if not options:
-        raise ValueError("no number lies between the schema's bounds")
-    return alternatives(options)
-
-
-def _real_bounds(schema: Mapping[str, Any]) -> tuple[tuple[float, bool] | None, tuple[float, bool] | None]:
-    """(value, exclusive) lower and upper bounds, the tighter of ``minimum`` and ``exclusiveMinimum`` etc."""
-    low: tuple[float, bool] | None = None
-    high: tuple[float, bool] | None = None
-    minimum, maximum = schema.get("minimum"), schema.get("maximum")
-    ex_min, ex_max = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
-    if _is_number(minimum):
-        low = (minimum, ex_min is True)
-    if _is_number(ex_min) and (low is None or ex_min >= low[0]):
-        low = (ex_min, True)
-    if _is_number(maximum):
-        high = (maximum, ex_max is True)
-    if _is_number(ex_max) and (high is None or ex_max <= high[0]):
-        high = (ex_max, True)
-    return low, high
-
-
-def _signed_range(low: int | None, high: int | None) -> list[str]:
-    options = []
-    if low is None or low < 0:  # negatives: -abs with abs in [max(1, -high), -low]
-        abs_low = 1 if high is None or high >= 0 else -high
-        abs_high = None if low is None else -low
-        if abs_high is None or abs_low <= abs_high:
-            options.append(f'"-" {alternatives(_positive_range(abs_low, abs_high))}')
-    if high is None or high >= 0:
-        start = 0 if low is None else max(low, 0)
-        if high is None or start <= high:
-            options[:0] = _positive_range(start, high)
-    return options
-
-
-def _positive_range(low: int, high: int | None) -> list[str]:
-    """Alternatives for the integers in ``[low, high]`` (``0 <= low``; None: no upper bound)."""
-    low_text = str(low)
-    n = len(low_text)
-    if high is None:
-        return [*_same_length(low_text, "9" * n), f"[1-9] [0-9]{{{n},}}"]
-    high_text = str(high)
-    if len(high_text) == n:
-        return _same_length(low_text, high_text)
-    options = _same_length(low_text, "9" * n)
-    for length in range(n + 1, len(high_text)):
-        options.append(f"[1-9] [0-9]{{{length - 1}}}")
-    options += _same_length("1" + "0" * (len(high_text) - 1), high_text)
-    return options
-
-
-def _same_length(low: str, high: str) -> list[str]:
-    """Alternatives for the digit strings from ``low`` to ``high``, both of the same length."""
-    if low == high:
-        return [text_literal(low)]
-    rest = len(low) - 1
-    if low == "0" * len(low) and high == "9" * len(high) and rest:
-        return [f"[0-9]{{{len(low)}}}"]
-    first, last = low[0], high[0]
-    if not rest:
-        return [f"[{first}-{last}]"]
-    if first == last:
-        return [f"{literal(first)} {alternatives(_same_length(low[1:], high[1:]))}"]
-    options = [f"{literal(first)} {alternatives(_same_length(low[1:], '9' * rest))}"]
-    if ord(last) - ord(first) > 1:
-        options.append(f"[{chr(ord(first) + 1)}-{chr(ord(last) - 1)}] [0-9]{{{rest}}}")
-    options.append(f"{literal(last)} {alternatives(_same_length('0' * rest, high[1:]))}")
-    return options

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from backends.deepseek.arguments import arguments_json
-from backends.deepseek.encoding import (
+from backends.deepseek.markers import (
     DSML_CALLS_END,
     DSML_CALLS_START,
     DSML_INVOKE_END,

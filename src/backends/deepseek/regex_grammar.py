@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from re import _constants as sre
-from re import _parser as sre_parse
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # typeshed describes re's parser under its pre-3.11 names; importing those warns at run time
+    import sre_constants as sre
+    import sre_parse
+else:
+    from re import _constants as sre
+    from re import _parser as sre_parse
 
 from backends.deepseek.gbnf import alternatives, literal
 
@@ -74,7 +79,7 @@ def pattern_expression(pattern: str, spelling: str) -> str | None:
     if parsed.state.flags & _REFUSED_FLAGS:
         raise ValueError(f"pattern {pattern!r}: inline flags are not supported in a forced call")
     try:
-        return _Writer(spelling).top(list(parsed))
+        return _Writer(spelling).top(list(parsed.data))
     except _NoRawSpelling:
         return None
     except _Unsupported as exc:
@@ -101,7 +106,7 @@ def string_shape(schema: Mapping[str, Any], spelling: str) -> str | None:
         if not isinstance(pattern, str):
             raise ValueError("pattern must be a string")
         return pattern_expression(pattern, spelling)
-    return format_expression(kind, spelling)
+    return format_expression(cast(str, kind), spelling)  # no pattern: ``kind`` is one of FORMATS' names
 
 
 class _Unsupported(Exception):

@@ -6,44 +6,41 @@ import asyncio
 import functools
 import importlib.metadata
 import itertools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from backends.engine.buffer import OutputBuffer
-from backends.engine.detokenizer import IncrementalDetokenizer, TokenTable
+from backends.engine.choice import Choice, finish_reason
+from backends.engine.detokenizer import TokenTable
 from backends.engine.driver import EngineDriver
 from backends.engine.prompts import (
     DEFAULT_PREPARE_THREADS,
     ChatPrompt,
     ChatTemplate,
-    OutputParser,
     PromptPreparer,
 )
-from backends.engine.protocol import EOS_TOKEN_ID, Engine, EngineOutput, FinishReason, MetricSample
-from backends.engine.stop import StopMatcher
+from backends.engine.prompts import (
+    OutputParser as OutputParser,  # re-exported: the parser protocol was defined beside the choice code
+)
+from backends.engine.protocol import EOS_TOKEN_ID, Engine, MetricSample
 from backends.errors import (
     BackendError,
     ContextLengthExceededError,
     InvalidRequestError,
-    OverloadedError,
     SlowClientError,
     UnavailableError,
     UpstreamError,
 )
 from backends.interface import (
-    Delta,
     Event,
     Finish,
     GenerateRequest,
     PromptEcho,
     PromptToken,
     TokenizerInfo,
-    TokenLogprob,
-    ToolCallDelta,
-    TopLogprob,
     Usage,
     reject_unsupported,
 )
@@ -133,7 +130,7 @@ class EngineBackend:
         samples = getattr(self.driver.engine, "metric_samples", None)
         return samples() if samples is not None else ()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[Event, None]:
         if not self._started or not self.driver.alive:
             raise UnavailableError(f"backend {self.name!r} is not ready: {self.readiness()[1]}")
         table = self._table
@@ -167,7 +164,7 @@ class EngineBackend:
         make_parser = chat.parser if chat is not None else None
         reasoning_end = chat.reasoning_end_token if chat is not None else None
         choices = [
-            _Choice(
+            Choice(
                 index,
                 table,
                 table.new_detokenizer(),
@@ -197,8 +194,13 @@ class EngineBackend:
             remaining = request.n
             echoed = [not scoring] * request.n
             prompt_unreported = True
+            pop, arrival = outputs.pop, outputs.arrival
             while remaining:
-                index, item = await outputs.get()
+                entry = pop()
+                if entry is None:
+                    await arrival()
+                    continue
+                index, item = entry
                 if isinstance(item, BackendError):
                     live.discard(engine_ids[index])
                     raise _blame_constraint(item, chat)
@@ -206,7 +208,7 @@ class EngineBackend:
                 if not echoed[index]:  # the prompt step's output carries the prompt logprobs
                     echoed[index] = True
                     if item[0].finished:
-                        _finish_reason(item[0])  # raises for a request that ended in error before it ran
+                        finish_reason(item[0])  # raises for a request that ended in error before it ran
                     scores = item[0].prompt_logprobs
                     if len(prompt_ids) > INLINE_PROMPT_TOKENS:
                         entries = await asyncio.to_thread(_prompt_tokens, table, prompt_ids, scores)
@@ -216,7 +218,7 @@ class EngineBackend:
                 if score_only:
                     remaining -= 1
                     if item[-1].finished:
-                        _finish_reason(item[-1])  # raises for a request the engine refused (context, resources)
+                        finish_reason(item[-1])  # raises for a request the engine refused (context, resources)
                     else:
                         self.driver.abort([engine_ids[index]])
                     live.discard(engine_ids[index])
@@ -317,7 +319,9 @@ def _blame_constraint(error: BackendError, chat: ChatPrompt | None) -> BackendEr
     return error
 
 
-def _prompt_tokens(table: TokenTable, prompt_ids: Sequence[int], values: Sequence[float] | None) -> list[PromptToken]:
+def _prompt_tokens(
+    table: TokenTable, prompt_ids: Sequence[int] | np.ndarray, values: Sequence[float] | None
+) -> list[PromptToken]:
     """The echoed prompt's tokens with their logprobs and character offsets in the echoed text.
 
     The engine scores every token but the first (``values[i]`` is for ``prompt_ids[i + 1]``) and gives no
@@ -365,169 +369,3 @@ def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len
             param="max_tokens",
         )
     return asked
-
-
-class _Choice:
-    """Turns one engine request's outputs into deltas: detokenize, match stops, parse, format logprobs."""
-
-    __slots__ = (
-        "_detok",
-        "_logprobs",
-        "_parser",
-        "_reasoning_end",
-        "_reported",
-        "_stop",
-        "_table",
-        "end_logprobs",
-        "index",
-        "reasoning_tokens",
-        "tokens",
-    )
-
-    def __init__(
-        self,
-        index: int,
-        table: TokenTable,
-        detok: IncrementalDetokenizer,
-        stops: list[str],
-        logprobs: bool,
-        parser: OutputParser | None = None,
-        reasoning_end: int | None = None,
-    ) -> None:
-        self.index = index
-        self._table = table
-        self._detok = detok
-        self._stop = StopMatcher(stops) if stops else None
-        self._logprobs = logprobs
-        self._parser = parser
-        self._reasoning_end = reasoning_end
-        self.tokens = 0
-        self._reported = 0  # tokens the deltas so far accounted for
-        self.reasoning_tokens = 0
-        self.end_logprobs: list[TokenLogprob] | None = None  # the EOS that ended the choice, counted as output
-
-    @property
-    def matched_stop(self) -> str | None:
-        """The stop string that ended the choice, if one did."""
-        return self._stop.matched if self._stop is not None else None
-
-    def consume(self, outputs: Sequence[EngineOutput]) -> tuple[Delta | None, str | None]:
-        """Returns the delta to emit (if any) and the OpenAI finish reason once the choice is done."""
-        last = outputs[-1]
-        finish: str | None = None
-        if last.finished:
-            finish = _finish_reason(last)
-            # A "stop" finish carries the EOS token, which is not output; under ignore_eos an EOS sampled on the
-            # way to max_tokens ("length") is an ordinary token (empty text, but counted and given logprobs).
-            real = list(outputs[:-1]) if finish == FinishReason.STOP else list(outputs)
-        else:
-            real = outputs
-        self.tokens = last.num_output_tokens
-        text = self._detok.push([o.token_id for o in real]) if real else ""
-        if finish is not None:
-            text += self._detok.flush()
-        matched = False
-        if self._stop is not None:
-            text, matched = self._stop.push(text)
-            if matched:
-                finish = "stop"
-            elif finish is not None:
-                text += self._stop.flush()
-        if self._logprobs and finish == FinishReason.STOP and last.finished and not matched:
-            self.end_logprobs = self._format_logprobs([last])
-        logprobs = self._format_logprobs(real) if self._logprobs and real else None
-        if self._parser is not None:
-            return self._parse(text, real, logprobs, finish)
-        if not text and logprobs is None:
-            return None, finish
-        return Delta(self.index, text, logprobs, tokens=self._report()), finish
-
-    def _report(self) -> int:
-        """The tokens generated since the previous delta, which the next delta accounts for."""
-        tokens = self.tokens - self._reported
-        self._reported = self.tokens
-        return tokens
-
-    def _parse(
-        self, text: str, real: Sequence[EngineOutput], logprobs: list[TokenLogprob] | None, finish: str | None
-    ) -> tuple[Delta | None, str | None]:
-        """Split the step's text into reasoning, content and tool calls (the model family's parser)."""
-        parser = self._parser
-        assert parser is not None
-        was_reasoning = parser.in_reasoning
-        reasoning, content, calls = parser.push(text)
-        if finish is not None:
-            more_reasoning, more_content, more_calls = parser.finish()
-            reasoning += more_reasoning
-            content += more_content
-            calls = _merge_call_pieces(calls, more_calls)
-            if finish == "stop" and parser.called:
-                finish = "tool_calls"
-        if was_reasoning and real:
-            self.reasoning_tokens += self._count_reasoning(real, still=parser.in_reasoning and finish is None)
-        if not (reasoning or content or calls) and logprobs is None:
-            return None, finish
-        return Delta(self.index, content, logprobs, reasoning, calls or None, self._report()), finish
-
-    def _count_reasoning(self, outputs: Sequence[EngineOutput], *, still: bool) -> int:
-        """Tokens of this step spent reasoning: all of them, or those up to and including the closing tag."""
-        if still:
-            return len(outputs)
-        end = self._reasoning_end
-        for position, output in enumerate(outputs):
-            if output.token_id == end:
-                return position + 1
-        return len(outputs)
-
-    def _format_logprobs(self, outputs: Sequence[EngineOutput]) -> list[TokenLogprob]:
-        text_of, bytes_of = self._table.text_of, self._table.raw_bytes_of
-        return [
-            TokenLogprob(
-                text_of[o.token_id],
-                list(bytes_of[o.token_id]),
-                o.token_logprob,
-                [
-                    TopLogprob(text_of[t], list(bytes_of[t]), lp)
-                    for t, lp in zip(o.top_token_ids, o.top_logprobs, strict=False)
-                ],
-            )
-            for o in outputs
-        ]
-
-
-def _merge_call_pieces(first: Sequence[ToolCallDelta], second: Sequence[ToolCallDelta]) -> Sequence[ToolCallDelta]:
-    """Concatenate tool-call pieces, joining a call's header and its arguments when they meet."""
-    if not second:
-        return first
-    if not first:
-        return second
-    last, head = first[-1], second[0]
-    if head.index == last.index and head.id is None:
-        return [*first[:-1], last._replace(arguments=last.arguments + head.arguments), *second[1:]]
-    return [*first, *second]
-
-
-def _finish_reason(output: EngineOutput) -> str:
-    """Maps DeepInfer's finish reasons to OpenAI's, raising for those that are errors to the client."""
-    reason = output.finish_reason
-    if reason in (FinishReason.STOP, FinishReason.LENGTH):
-        return reason
-    if reason == FinishReason.PROMPT_LENGTH_EXCEEDED:
-        raise ContextLengthExceededError(
-            f"the prompt ({output.prompt_len} tokens) does not fit the engine's context window", param="messages"
-        )
-    if reason == FinishReason.INSUFFICIENT_SYSTEM_RESOURCE:
-        raise OverloadedError(
-            "the engine stopped the request to free KV cache (insufficient_system_resource); retry later",
-            retry_after=1.0,
-            code="insufficient_system_resource",
-        )
-    if reason == FinishReason.SO_FAILED:
-        if output.num_output_tokens <= 1:  # before the first token: the grammar did not compile
-            raise InvalidRequestError(
-                "the engine could not compile the output constraint of this request (response_format or "
-                "tool_choice); check the schema, regex or grammar",
-                code="invalid_output_constraint",
-            )
-        raise UpstreamError("the engine's output constraint failed during generation", code="output_constraint_failed")
-    raise UpstreamError(f"the engine ended the request with finish_reason {reason!r}")

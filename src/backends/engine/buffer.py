@@ -21,11 +21,12 @@ class OutputBuffer:
     client does. ``limit`` ``None`` means no bound.
     """
 
-    __slots__ = ("_items", "_limit", "_on_overflow", "_waiter", "overflowed", "tokens")
+    __slots__ = ("_items", "_limit", "_loop", "_on_overflow", "_waiter", "overflowed", "tokens")
 
     def __init__(self, limit: int | None, on_overflow: Callable[[], None]) -> None:
         self._items: deque[Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the stream's loop, looked up once (not per wait)
         self._limit = limit
         self._on_overflow = on_overflow
         self.tokens = 0
@@ -48,18 +49,32 @@ class OutputBuffer:
                 self._on_overflow()
         self._items.append((index, item))
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
-    async def get(self) -> Item:
+    def pop(self) -> Item | None:
+        """The oldest item, or None when none waits (then ``arrival()`` says when one does)."""
         items = self._items
-        while not items:
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
+        if not items:
+            return None
         index, item = items.popleft()
         if not isinstance(item, BackendError):
             self.tokens -= len(item)
         return index, item
+
+    def arrival(self) -> asyncio.Future[None]:
+        """Done once the next item is put: awaited straight from the stream's own frame (no coroutine per wait)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        return waiter
+
+    async def get(self) -> Item:
+        while True:
+            entry = self.pop()
+            if entry is not None:
+                return entry
+            await self.arrival()

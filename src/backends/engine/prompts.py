@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from backends.engine.detokenizer import TokenTable
 from backends.engine.protocol import Engine, StructuredOutputCompiler
@@ -168,6 +168,7 @@ class PromptPreparer:
             # Every token covers at most max_token_bytes bytes of the text, and a character is at least one byte:
             # this prompt cannot fit, and tokenizing it would cost seconds of CPU for nothing.
             raise _too_long(limit, f"is {len(text)} characters long, which is more than {limit} tokens", param)
+        encoding: Encoding | None = None
         try:
             encoding = engine.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
             count = len(encoding)

@@ -6,8 +6,9 @@ The gateway's embedded default (no GPU needed) and the engine the serving code i
 from __future__ import annotations
 
 from .artifacts import ReferenceArtifacts, default_cache_dir, load_or_build
-from .engine import ReferenceEngine, ReferenceEngineArgs, ReferenceSequence, SequenceStatus
+from .engine import ReferenceEngine, ReferenceEngineArgs
 from .sampling_params import SamplingParams
+from .sequence import ReferenceSequence, SequenceStatus
 from .tokenizer import SpecialTokenIds, special_token_ids
 
 __all__ = [

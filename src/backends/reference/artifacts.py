@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,12 @@ from .model import NGramModel, region_table, train
 from .tokenizer import DEFAULT_VOCAB_SIZE, SpecialTokenIds, build_tokenizer, check_layout, special_token_ids
 
 logger = logging.getLogger(__name__)
+
+_BUILDING = threading.Lock()
+"""One build at a time in a process: two reference backends starting on a cold cache (each on its engine thread)
+would both build, and CPython 3.11's ``ast.parse`` is not safe from two threads at once (the corpus is read with
+it; gh-106905: ``SystemError: AST constructor recursion depth mismatch``, seen once in the suite). The second
+caller waits and then loads what the first published."""
 
 CACHE_ENV = "DEEPINFER_GATEWAY_CACHE"
 _TOKENIZER_FILE = "tokenizer.json"
@@ -121,6 +128,11 @@ def _load(path: Path) -> tuple[Tokenizer, NGramModel]:
 
 def load_or_build(cache_dir: Path | str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE) -> ReferenceArtifacts:
     """Load the artifacts for this machine's corpus from the cache, building and publishing them if absent."""
+    with _BUILDING:
+        return _load_or_build(cache_dir, vocab_size)
+
+
+def _load_or_build(cache_dir: Path | str | None, vocab_size: int) -> ReferenceArtifacts:
     started = time.perf_counter()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     digest = corpus.sources_digest(corpus.stdlib_sources())

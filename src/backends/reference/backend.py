@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
     from backends.reference.engine import ReferenceEngine
     from backends.workers.driver import WorkerPlan
-    from backends.workers.worker import RankContext, RankEngine
+    from backends.workers.spec import RankContext, RankEngine
 
 
 def build_reference_backend(config: ReferenceBackendConfig) -> EngineBackend:
@@ -89,7 +89,7 @@ def load_tokenizer() -> Tokenizer:
 def build_rank_engine(context: RankContext) -> RankEngine:
     """Runs in a worker process: one rank's engine; in lockstep, wrapped to imitate DeepInfer's collectives."""
     from backends.workers.collective import LockstepEngine, SimulatedGroup
-    from backends.workers.worker import RankEngine
+    from backends.workers.spec import RankEngine
 
     config = ReferenceBackendConfig.model_validate(context.options)
     # Each rank draws unseeded requests' seeds from its own stream, or ranks would repeat each other's samples.

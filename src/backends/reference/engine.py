@@ -7,6 +7,10 @@ DeepInfer's abort rule (aborted while waiting: one synthetic ``abort`` output; a
 An optional timing model (seconds per prefill token, per decode step, tokens accepted per step) makes it pace
 like a GPU deployment for load tests. Each step samples the whole batch with a few numpy calls.
 
+This module is the ``LLMEngine`` surface and FIFO admission; the request state is in ``sequence``, the running
+batch in ``batch``, sampling and finish rules in ``decoder``, the timing model in ``timing``, and prompt logprobs
+in ``prompt_scoring``.
+
 Structured outputs (``so_args``, see ``structured``) follow DeepInfer's contract, with these differences: the
 grammar is compiled before ``add_request`` by ``compile_so_args``, which the gateway calls on its preparation pool
 (``so_args`` that did not go through it are compiled synchronously inside ``add_request``); DeepInfer compiles on
@@ -24,10 +28,8 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from itertools import repeat
-from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -36,39 +38,18 @@ from tokenizers import Tokenizer
 
 from backends.engine.protocol import EOS_TOKEN_ID, EngineOutput, FinishReason
 
-from . import sampler
 from .artifacts import load_or_build
-from .model import NO_TOKEN, NGramModel, regions_after, smoothed
+from .batch import RunningBatch
+from .decoder import BatchDecoder
+from .model import NGramModel
+from .prompt_scoring import attach_prompt_logprobs, prompt_logprobs
 from .sampling_params import SamplingParams
-from .structured import StructuredOutputError, StructuredOutputs, StructuredState, check_so_args
+from .sequence import ReferenceSequence, SequenceStatus
+from .structured import StructuredOutputError, StructuredOutputs, check_so_args
+from .timing import TimingModel
 from .tokenizer import DEFAULT_VOCAB_SIZE, SpecialTokenIds
 
 logger = logging.getLogger(__name__)
-
-MAX_TOP_LOGPROBS = 20
-"""Top-logprob lists are capped at this length (OpenAI's maximum); DeepInfer accepts up to 1000."""
-
-SYNTHETIC_LOGPROB = 1.0
-"""DeepInfer's ``token_logprobs`` on outputs whose token was never sampled."""
-
-SO_FAILED_TOKEN = 0
-"""DeepInfer appends token 0 when a request's grammar fails mid-generation (never to be detokenized)."""
-
-_EMPTY: tuple[()] = ()
-_REASONS = np.array(["", FinishReason.STOP, FinishReason.LENGTH, FinishReason.SO_FAILED], dtype=object)
-_GOING, _STOPPED, _CAPPED, _SO_FAILED = 0, 1, 2, 3
-
-
-class SequenceStatus:
-    """DeepInfer's ``SequenceStatus`` values for the states the reference engine uses."""
-
-    WAITING = 0
-    RUNNING = 1
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6
-    FINISHED_SO_FAILED = 8
 
 
 @dataclass(slots=True)
@@ -89,120 +70,6 @@ class ReferenceEngineArgs:
             raise ValueError("max_model_len, max_num_seqs and tokens_per_step must be at least 1")
         if self.prefill_seconds_per_token < 0 or self.decode_seconds_per_step < 0:
             raise ValueError("timing model durations must be non-negative")
-
-
-class ReferenceSequence:
-    """What ``add_request`` returns (DeepInfer returns its C++ ``Sequence``): identity, status, lengths."""
-
-    __slots__ = (
-        "last_prompt_token",
-        "params",
-        "prev1",
-        "prev2",
-        "prompt_len",
-        "prompt_logprobs",
-        "region",
-        "request_id",
-        "so",
-        "so_error",
-        "status",
-        "user_id",
-    )
-
-    def __init__(self, user_id: str, request_id: str, params: SamplingParams, prompt: np.ndarray, region: int) -> None:
-        self.user_id = user_id
-        self.request_id = request_id
-        self.params = params
-        self.so: StructuredState | None = None  # structured-output state, if the request has so_args
-        self.so_error = ""  # why it ended as FINISHED_SO_FAILED (compile error, or grammar error mid-generation)
-        self.prompt_len = int(prompt.size)
-        self.last_prompt_token = int(prompt[-1])
-        self.prev1 = self.last_prompt_token
-        self.prev2 = int(prompt[-2]) if prompt.size > 1 else NO_TOKEN
-        self.region = region
-        self.status = SequenceStatus.WAITING
-        self.prompt_logprobs: list[float] | None = None  # sent on the first output, if the request asked
-
-    def synthetic_output(self, reason: str) -> EngineOutput:
-        """The single output of a request that never ran: its last prompt token, never to be detokenized."""
-        return EngineOutput(
-            self.request_id, self.last_prompt_token, True, reason, 1, self.prompt_len, SYNTHETIC_LOGPROB, (), ()
-        )
-
-
-class _Batch:
-    """Per-request decode state of the running requests as parallel numpy arrays, in admission order."""
-
-    FIELDS = (
-        "prev2",
-        "prev1",
-        "region",
-        "key",
-        "pos",
-        "prompt_len",
-        "max_tokens",
-        "temperature",
-        "top_k",
-        "top_p",
-        "greedy",
-        "ignore_eos",
-        "no_eos_first",
-        "n_top",
-        "golden",
-        "so",
-    )
-    prev2: np.ndarray
-    prev1: np.ndarray
-    region: np.ndarray
-    key: np.ndarray
-    pos: np.ndarray
-    prompt_len: np.ndarray
-    max_tokens: np.ndarray
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    greedy: np.ndarray
-    ignore_eos: np.ndarray
-    no_eos_first: np.ndarray
-    n_top: np.ndarray
-    golden: np.ndarray
-    so: np.ndarray
-
-    def __init__(self) -> None:
-        self._assign(self.rows([], width=1))
-
-    @staticmethod
-    def rows(seqs: Sequence[ReferenceSequence], width: int) -> dict[str, np.ndarray]:
-        params = [s.params for s in seqs]
-        seeds = np.array([p.seq_seed for p in params], dtype=np.uint64)
-        return {
-            "prev2": np.array([s.prev2 for s in seqs], dtype=np.int64),
-            "prev1": np.array([s.prev1 for s in seqs], dtype=np.int64),
-            "region": np.array([s.region for s in seqs], dtype=np.int64),
-            "key": sampler.stream_keys(seeds),
-            "pos": np.zeros(len(seqs), dtype=np.int64),
-            "prompt_len": np.array([s.prompt_len for s in seqs], dtype=np.int64),
-            "max_tokens": np.array([p.max_tokens for p in params], dtype=np.int64),
-            "temperature": np.array([p.temperature for p in params], dtype=np.float64),
-            "top_k": np.array([width if p.top_k == -1 else min(p.top_k, width) for p in params], dtype=np.int64),
-            "top_p": np.array([p.top_p for p in params], dtype=np.float64),
-            "greedy": np.array([p.greedy for p in params], dtype=bool),
-            "ignore_eos": np.array([bool(p.ignore_eos) for p in params], dtype=bool),
-            "no_eos_first": np.array([p.first_n_token_no_eos == 1 for p in params], dtype=bool),
-            "n_top": np.array([min(p.top_logprobs, MAX_TOP_LOGPROBS) for p in params], dtype=np.int64),
-            "golden": np.array([bool(p.golden_token_ids) for p in params], dtype=bool),
-            "so": np.array([s.so is not None for s in seqs], dtype=bool),
-        }
-
-    def _assign(self, arrays: dict[str, np.ndarray]) -> None:
-        for name in self.FIELDS:
-            setattr(self, name, arrays[name])
-
-    def extend(self, arrays: dict[str, np.ndarray]) -> None:
-        self._assign({name: np.concatenate((getattr(self, name), arrays[name])) for name in self.FIELDS})
-
-    def keep(self, mask: np.ndarray) -> None:
-        self._assign({name: getattr(self, name)[mask] for name in self.FIELDS})
 
 
 class ReferenceEngine:
@@ -230,15 +97,13 @@ class ReferenceEngine:
         self._live: dict[str, ReferenceSequence] = {}
         self._waiting: deque[ReferenceSequence] = deque()
         self._num_waiting = 0
-        self._running: list[ReferenceSequence] = []
-        self._running_ids: list[str] = []
-        self._running_prompt_lens: list[int] = []
-        self._batch = _Batch()
+        self._running = RunningBatch()
         self._pending: list[EngineOutput] = []  # synthetic outputs due at the next step
         self._closed = False
         self._background = model.background()  # smooths prompt logprobs (a few ms, once)
         self._structured = StructuredOutputs(tokenizer, model, EOS_TOKEN_ID)
-        self._num_so = 0  # running requests with so_args: zero keeps _sample on its plain path
+        self._decoder = BatchDecoder(model, self._structured, args.max_model_len, args.tokens_per_step)
+        self._timing = TimingModel(args.prefill_seconds_per_token, args.decode_seconds_per_step)
 
     @classmethod
     def from_engine_args(cls, args: ReferenceEngineArgs) -> ReferenceEngine:
@@ -339,18 +204,19 @@ class ReferenceEngine:
                 del self._live[rid]
             seq.status = SequenceStatus.FINISHED_ABORTED
         if stopped_running:
-            batch_pos = self._batch.pos
-            keep = np.array([s.status == SequenceStatus.RUNNING for s in self._running], dtype=bool)
+            running = self._running.seqs
+            batch_pos = self._running.arrays.pos
+            keep = np.array([s.status == SequenceStatus.RUNNING for s in running], dtype=bool)
             for row in np.flatnonzero(~keep).tolist():
-                length += self._running[row].prompt_len + int(batch_pos[row])
-            self._retain(keep)
+                length += running[row].prompt_len + int(batch_pos[row])
+            self._running.retain(keep)
         return count, length
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._num_waiting or self._running or self._pending)
+        return bool(self._num_waiting or self._running.seqs or self._pending)
 
     def get_num_unfinished_requests(self) -> int:
-        return self._num_waiting + len(self._running) + len(self._pending)
+        return self._num_waiting + len(self._running.seqs) + len(self._pending)
 
     def flush_inflight_reqs(self) -> list[EngineOutput]:
         """Nothing is ever in flight here (no zero-overhead scheduling); returns any due synthetic outputs."""
@@ -362,7 +228,7 @@ class ReferenceEngine:
         self._live.clear()
         self._waiting.clear()
         self._num_waiting = 0
-        self._retain(np.zeros(len(self._running), dtype=bool))
+        self._running.retain(np.zeros(len(self._running.seqs), dtype=bool))
         self._pending.clear()
 
     # ---- stepping -------------------------------------------------------------------------------------------
@@ -371,19 +237,13 @@ class ReferenceEngine:
         """Admit waiting requests (prefill, first token), then decode every earlier running request."""
         started = time.perf_counter()
         outputs = self._take_pending()
-        num_old = len(self._running)
+        num_old = len(self._running.seqs)
         prefill_tokens, scored = self._admit(outputs)
-        if self._running:
+        if self._running.seqs:
             self._decode(outputs, num_old)
         if scored:
-            _attach_prompt_logprobs(outputs, scored)
-        delay = self.args.prefill_seconds_per_token * prefill_tokens
-        if num_old:
-            delay += self.args.decode_seconds_per_step
-        if delay > 0.0:
-            remaining = delay - (time.perf_counter() - started)
-            if remaining > 0.0:
-                time.sleep(remaining)
+            attach_prompt_logprobs(outputs, scored)
+        self._timing.pace(started, prefill_tokens, bool(num_old))
         return outputs
 
     def _take_pending(self) -> list[EngineOutput]:
@@ -399,7 +259,7 @@ class ReferenceEngine:
         Returns the prefill token count and the prompt logprobs of admitted requests that asked for them.
         """
         admitted: list[ReferenceSequence] = []
-        free = self.max_num_seqs - len(self._running)
+        free = self.max_num_seqs - len(self._running.seqs)
         prefill_tokens = 0
         waiting = self._waiting
         while waiting:
@@ -422,213 +282,16 @@ class ReferenceEngine:
             admitted.append(seq)
             prefill_tokens += seq.prompt_len
         if admitted:
-            self._batch.extend(_Batch.rows(admitted, self.model.top_k))
-            self._running.extend(admitted)
-            self._running_ids.extend(s.request_id for s in admitted)
-            self._running_prompt_lens.extend(s.prompt_len for s in admitted)
-            self._num_so = int(np.count_nonzero(self._batch.so))
+            self._running.admit(admitted, self.model.top_k)
         scored = {s.request_id: s.prompt_logprobs for s in admitted if s.prompt_logprobs is not None}
-        return prefill_tokens, scored  # type: ignore[return-value]
-
-    def _retain(self, keep: np.ndarray) -> None:
-        self._batch.keep(keep)
-        flags = keep.tolist()
-        self._running = [s for s, k in zip(self._running, flags, strict=True) if k]
-        self._running_ids = [s.request_id for s in self._running]
-        self._running_prompt_lens = [s.prompt_len for s in self._running]
-        self._num_so = int(np.count_nonzero(self._batch.so))
+        return prefill_tokens, scored
 
     def _decode(self, outputs: list[EngineOutput], num_old: int) -> None:
-        """One decode round: each request emits ``tokens_per_step`` tokens (one if it was just admitted)."""
-        batch_size = len(self._running)
-        done = np.zeros(batch_size, dtype=bool)
-        per_step = self.args.tokens_per_step
-        if per_step == 1:
-            outputs.extend(self._sample(np.arange(batch_size), done))
-        else:
-            tagged: list[tuple[int, EngineOutput]] = []
-            for sub_step in range(per_step):
-                limit = batch_size if sub_step == 0 else num_old
-                rows = np.flatnonzero(~done[:limit])
-                if rows.size == 0:
-                    break
-                tagged.extend(zip(rows.tolist(), self._sample(rows, done), strict=True))
-            tagged.sort(key=itemgetter(0))  # stable: a request's tokens stay in order, grouped per request
-            outputs.extend(out for _, out in tagged)
+        """One decode round (``BatchDecoder.decode``); finished requests leave the batch."""
+        running = self._running
+        done = self._decoder.decode(running, outputs, num_old)
         if done.any():
             for row in np.flatnonzero(done).tolist():
-                seq = self._running[row]
+                seq = running.seqs[row]
                 del self._live[seq.request_id]
-            self._retain(~done)
-
-    def _sample(self, rows: np.ndarray, done: np.ndarray) -> list[EngineOutput]:
-        """Sample one token for each of ``rows``, advance their state, mark finished rows in ``done``."""
-        b = self._batch
-        model = self.model
-        eos = EOS_TOKEN_ID
-        pos = b.pos[rows]
-        ids, base = model.candidates(b.prev2[rows], b.prev1[rows], b.region[rows])
-        ids = ids.astype(np.int64)
-        probs = base.astype(np.float64)
-        no_eos = b.no_eos_first[rows] & (pos == 0)
-        if no_eos.any():
-            masked = np.flatnonzero(no_eos)
-            sub = probs[masked]
-            sub[ids[masked] == eos] = 0.0
-            empty = sub.sum(axis=1) <= 0.0
-            if empty.any():  # EOS was the only candidate: continue with ordinary text instead
-                ids[masked[empty]] = model.unigram_ids
-                sub[empty] = model.unigram_probs
-            probs[masked] = sub
-        structured = self._constrain(rows, ids, probs, no_eos) if self._num_so else None
-        probs = sampler.process(probs, b.temperature[rows], b.top_k[rows], b.top_p[rows], b.greedy[rows])
-        column = sampler.draw(probs, sampler.uniforms(b.key[rows], pos))
-        index = np.arange(rows.size)
-        tokens = ids[index, column]
-        chosen = sampler.logprobs(probs[index, column])
-        if b.golden[rows].any():
-            self._teacher_force(rows, pos, ids, probs, tokens, chosen)
-        failed_rows = self._advance_structured(rows, structured, tokens, chosen) if structured is not None else None
-
-        # Advance the state of every sampled row.
-        region = model.region_of_token[tokens]
-        b.region[rows] = np.where(region >= 0, region, b.region[rows])
-        b.prev2[rows] = b.prev1[rows]
-        b.prev1[rows] = tokens
-        count = pos + 1
-        b.pos[rows] = count
-        stopped = (tokens == eos) & ~b.ignore_eos[rows]
-        capped = (count >= b.max_tokens[rows]) | (b.prompt_len[rows] + count > self.max_model_len)
-        code = np.where(stopped, _STOPPED, np.where(capped, _CAPPED, _GOING))
-        if failed_rows is not None:
-            code[failed_rows] = _SO_FAILED
-        finished = code != _GOING
-        done[rows] = finished
-
-        n = rows.size
-        top_values: list[Any] = [_EMPTY] * n
-        top_tokens: list[Any] = [_EMPTY] * n
-        n_top = b.n_top[rows]
-        if failed_rows is not None:
-            n_top = np.where(code == _SO_FAILED, 0, n_top)  # synthetic outputs carry no top logprobs
-        wanted = np.flatnonzero(n_top > 0)
-        if wanted.size:
-            columns, values = sampler.top_logprobs(probs[wanted], int(n_top[wanted].max()))
-            token_rows = np.take_along_axis(ids[wanted], columns, axis=1).tolist()
-            value_rows = values.tolist()
-            for j, (i, k) in enumerate(zip(wanted.tolist(), n_top[wanted].tolist(), strict=True)):
-                top_values[i] = value_rows[j][:k]
-                top_tokens[i] = token_rows[j][:k]
-
-        all_rows = n == len(self._running_ids)
-        request_ids = self._running_ids if all_rows else [self._running_ids[i] for i in rows.tolist()]
-        prompt_lens = self._running_prompt_lens if all_rows else [self._running_prompt_lens[i] for i in rows.tolist()]
-        any_finished = bool(finished.any())
-        return list(
-            map(
-                EngineOutput,
-                request_ids,
-                tokens.tolist(),
-                finished.tolist() if any_finished else repeat(False, n),
-                _REASONS[code].tolist() if any_finished else repeat("", n),
-                count.tolist(),
-                prompt_lens,
-                chosen.tolist(),
-                top_values,
-                top_tokens,
-            )
-        )
-
-    def _constrain(
-        self, rows: np.ndarray, ids: np.ndarray, probs: np.ndarray, no_eos: np.ndarray
-    ) -> tuple[np.ndarray, list[StructuredState], np.ndarray] | None:
-        """Apply structured-output masks to the candidate rows of requests with so_args (in place).
-
-        Returns (their indices in ``rows``, their states, which of them failed), or None if there are none.
-        Only these rows pay for masks; the others keep their rows untouched, so their tokens do not change.
-        """
-        index = np.flatnonzero(self._batch.so[rows])
-        if index.size == 0:
-            return None
-        running = self._running
-        states = [running[r].so for r in rows[index].tolist()]
-        sub_ids, sub_probs = ids[index], probs[index]
-        failed = self._structured.constrain(states, sub_ids, sub_probs, no_eos[index])  # type: ignore[arg-type]
-        if failed.any():  # keep failed rows drawable; their output is replaced after the draw
-            sub_probs[failed, 0] = 1.0
-        ids[index] = sub_ids
-        probs[index] = sub_probs
-        return index, states, failed  # type: ignore[return-value]
-
-    def _advance_structured(
-        self,
-        rows: np.ndarray,
-        structured: tuple[np.ndarray, list[StructuredState], np.ndarray],
-        tokens: np.ndarray,
-        chosen: np.ndarray,
-    ) -> np.ndarray | None:
-        """Feed emitted tokens to their grammars; rows that failed or were rejected emit DeepInfer's token 0.
-
-        Returns the positions in the step's rows that finish as FINISHED_SO_FAILED, or None.
-        """
-        index, states, failed = structured
-        live = np.flatnonzero(~failed)
-        rejected = self._structured.advance([states[i] for i in live.tolist()], tokens[index[live]].tolist())
-        failed[live[rejected]] = True
-        if not failed.any():
-            return None
-        failed_rows = index[failed]
-        for i, row in zip(np.flatnonzero(failed).tolist(), rows[failed_rows].tolist(), strict=True):
-            seq = self._running[row]
-            seq.so_error = states[i].matcher.get_error() or f"token {int(tokens[index[i]])} rejected by the grammar"
-            logger.info("request %s: structured output failed: %s", seq.request_id, seq.so_error)
-        tokens[failed_rows] = SO_FAILED_TOKEN
-        chosen[failed_rows] = SYNTHETIC_LOGPROB
-        return failed_rows
-
-    def _teacher_force(
-        self,
-        rows: np.ndarray,
-        pos: np.ndarray,
-        ids: np.ndarray,
-        probs: np.ndarray,
-        tokens: np.ndarray,
-        chosen: np.ndarray,
-    ) -> None:
-        """``golden_token_ids``: replace sampled tokens position by position (evaluation, not serving)."""
-        for i, row in enumerate(rows.tolist()):
-            golden = self._running[row].params.golden_token_ids
-            position = int(pos[i])
-            if not golden or position >= len(golden):
-                continue
-            token = int(golden[position])
-            tokens[i] = token
-            match = np.flatnonzero(ids[i] == token)
-            chosen[i] = sampler.logprobs(probs[i, match[0]]) if match.size else sampler.LOGPROB_FLOOR
-
-
-def _attach_prompt_logprobs(outputs: list[EngineOutput], scored: dict[str, list[float]]) -> None:
-    """Put each scored request's prompt logprobs on its first output (the prompt step's), as DeepInfer does."""
-    for position, out in enumerate(outputs):
-        values = scored.pop(out.request_id, None)
-        if values is not None:
-            outputs[position] = out._replace(prompt_logprobs=values)
-            if not scored:
-                return
-
-
-def prompt_logprobs(model: NGramModel, prompt: np.ndarray, background: np.ndarray) -> list[float]:
-    """Logprob of each prompt token after the first given the tokens before it, from the same candidate rows that
-    sampling uses (unprocessed: no temperature, top-k or top-p), smoothed (``model.smoothed``): a token outside
-    its context's top ``K`` keeps a small, finite probability, as under a real model, so the logprobs of any
-    text sum to a finite number (word perplexity). ``background`` is ``model.background()``, computed once."""
-    tokens = prompt.astype(np.int64)
-    if tokens.size < 2:
-        return []
-    regions = regions_after(tokens, np.zeros(1, dtype=np.int64), model.region_of_token)
-    prev2 = np.r_[NO_TOKEN, tokens[:-2]]
-    ids, probs = model.candidates(prev2, tokens[:-1], regions[:-1])
-    weights = probs.astype(np.float64)
-    totals = np.maximum(weights.sum(axis=1), np.finfo(np.float64).tiny)
-    chosen = ((ids.astype(np.int64) == tokens[1:, None]) * weights).sum(axis=1) / totals
-    return np.log(smoothed(chosen, background[tokens[1:]])).tolist()  # type: ignore[no-any-return]
+            running.retain(~done)

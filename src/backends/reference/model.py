@@ -101,7 +101,7 @@ class NGramModel:
             minlength=self.vocab_size,
         )[: self.vocab_size]
         weights = np.maximum(weights / weights.sum(), BACKGROUND_FLOOR)
-        return weights / weights.sum()  # type: ignore[no-any-return]
+        return weights / weights.sum()
 
     def save(self, path: Path) -> None:
         np.savez(
@@ -285,4 +285,4 @@ def train(
 def smoothed(in_context: np.ndarray, background: np.ndarray) -> np.ndarray:
     """Probabilities of tokens under the smoothed model: ``(1 - SMOOTHING)`` times their probability among the
     context's candidates (0 outside them) plus ``SMOOTHING`` times their ``background`` probability. Never 0."""
-    return (1.0 - SMOOTHING) * in_context + SMOOTHING * background  # type: ignore[no-any-return]
+    return (1.0 - SMOOTHING) * in_context + SMOOTHING * background

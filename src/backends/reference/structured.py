@@ -23,13 +23,13 @@ The contract is DeepInfer's (``reference/deepinfer-engine.md`` section D):
 
 Dialects: ``json`` is JSON Schema as llguidance implements it (draft 2020-12, properties in schema order,
 unsupported keywords ignored as xgrammar warns and ignores them), made strict like xgrammar's ``strict_mode=True``
-by ``strict_json_schema``; whitespace is free as with xgrammar's default ``any_whitespace``. A schema may also be a
-dict (xgrammar accepts both). ``regex`` is Rust ``regex`` syntax, matched against the whole output (``^``/``$``
-are accepted; no lookaround or backreferences). ``ebnf`` is GBNF, llama.cpp's dialect that xgrammar follows,
-translated to llguidance's Lark format by llguidance's own translator: rules made only of terminals become
+by ``strict_schema.strict_json_schema``; whitespace is free as with xgrammar's default ``any_whitespace``. A schema
+may also be a dict (xgrammar accepts both). ``regex`` is Rust ``regex`` syntax, matched against the whole output
+(``^``/``$`` are accepted; no lookaround or backreferences). ``ebnf`` is GBNF, llama.cpp's dialect that xgrammar
+follows, translated to llguidance's Lark format by llguidance's own translator: rules made only of terminals become
 lexemes, which llguidance lexes greedily, so a grammar that depends on ambiguous tokenization of its terminals may
-accept less than under xgrammar. xgrammar's extensions beyond GBNF, such as lookahead assertions ``(= ...)``,
-fail the request (FINISHED_SO_FAILED), and so do Lark grammars, which DeepInfer would not accept.
+accept less than under xgrammar. xgrammar's extensions beyond GBNF, such as lookahead assertions ``(= ...)``, fail
+the request (FINISHED_SO_FAILED), and so do Lark grammars, which DeepInfer would not accept.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy as llguidance_np
@@ -47,6 +47,11 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from tokenizers import Tokenizer
 
 from .model import NGramModel
+from .strict_schema import strict_json_schema
+from .structured_state import FORCING, GRAMMAR, StructuredState
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stubs only
 
 SCHEMA_TYPES = frozenset({"json", "regex", "ebnf"})
 REJECTED_KEYS = ("serialized", "bound_token_ids")
@@ -55,31 +60,11 @@ REJECTED_KEYS = ("serialized", "bound_token_ids")
 GRAMMAR_CACHE_SIZE = 128
 """Compiled grammars kept per engine, keyed by (schema_type, schema); failures are cached too."""
 
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True, "lenient": True}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": True, "lenient": True}
 """Like xgrammar's defaults: any whitespace, unsupported keywords ignored (xgrammar warns and ignores them)."""
 
 PARALLEL_MASK_ROWS = 8
 """From this many grammar rows in a step, masks are computed by llguidance's thread pool (GIL released)."""
-
-FREE, FORCING, GRAMMAR, DONE = 0, 1, 2, 3
-"""Phases of a structured request: before its trigger, forcing the trigger, under the grammar, after EOS."""
-
-_SCHEMA_KEYS = (
-    "items",
-    "additionalProperties",
-    "unevaluatedProperties",
-    "unevaluatedItems",
-    "additionalItems",
-    "not",
-    "if",
-    "then",
-    "else",
-    "contains",
-    "propertyNames",
-)
-_SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_OBJECT_KEYS = ("properties", "patternProperties", "required", "minProperties", "maxProperties")
 
 
 class StructuredOutputError(Exception):
@@ -123,99 +108,6 @@ def check_so_args(so_args: object) -> None:
             raise ValueError(f"so_args key {key!r} is not supported")
     if "schema" not in so_args:
         raise KeyError("schema")
-
-
-def strict_json_schema(schema: Any) -> Any:
-    """A copy of ``schema`` with xgrammar's strict mode made explicit.
-
-    Strict mode forbids what the schema does not declare: objects without ``additionalProperties`` /
-    ``unevaluatedProperties`` get ``additionalProperties: false``, arrays without ``items`` /
-    ``unevaluatedItems`` get ``items: false`` (only their ``prefixItems``). llguidance has no such switch.
-    """
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = dict(schema)
-    for key in _SCHEMA_KEYS:
-        if isinstance(out.get(key), dict):
-            out[key] = strict_json_schema(out[key])
-    for key in _SCHEMA_LIST_KEYS:
-        if isinstance(out.get(key), list):
-            out[key] = [strict_json_schema(s) for s in out[key]]
-    for key in _SCHEMA_MAP_KEYS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: strict_json_schema(s) for name, s in out[key].items()}
-    types = out.get("type")
-    type_set = set(types) if isinstance(types, list) else {types}
-    if ("object" in type_set or any(k in out for k in _OBJECT_KEYS)) and not (
-        "additionalProperties" in out or "unevaluatedProperties" in out
-    ):
-        out["additionalProperties"] = False
-    if ("array" in type_set or "prefixItems" in out) and not ("items" in out or "unevaluatedItems" in out):
-        out["items"] = False
-    return out
-
-
-def _kmp_failure(pattern: Sequence[int]) -> tuple[int, ...]:
-    """KMP failure function: for each prefix, the length of its longest proper border."""
-    fail = [0] * len(pattern)
-    k = 0
-    for i in range(1, len(pattern)):
-        while k and pattern[i] != pattern[k]:
-            k = fail[k - 1]
-        if pattern[i] == pattern[k]:
-            k += 1
-        fail[i] = k
-    return tuple(fail)
-
-
-class StructuredState:
-    """One request's structured-output state: trigger matching, forced tokens, and its grammar matcher."""
-
-    __slots__ = ("bound", "fail", "forced", "matched", "matcher", "phase", "trigger")
-
-    def __init__(self, matcher: llguidance.LLMatcher, trigger: tuple[int, ...], bound: int | None) -> None:
-        self.matcher = matcher
-        self.trigger = trigger
-        self.fail = _kmp_failure(trigger)
-        self.bound = bound
-        self.matched = 0  # trigger tokens matched so far (KMP state) while FREE; forced so far while FORCING
-        self.forced: tuple[int, ...] = ()
-        self.phase = FREE if trigger else GRAMMAR
-
-    @property
-    def next_forced(self) -> int:
-        return self.forced[self.matched]
-
-    def advance(self, token: int, eos: int) -> bool:
-        """Account for one emitted token; False if the grammar (or a forced trigger) rejects it."""
-        phase = self.phase
-        if phase == GRAMMAR:
-            if not self.matcher.consume_token(token):
-                return False
-            if token == eos:
-                self.phase = DONE
-        elif phase == FREE:
-            trigger = self.trigger
-            k = self.matched
-            while k and trigger[k] != token:
-                k = self.fail[k - 1]
-            if trigger[k] == token:
-                k += 1
-            if k == len(trigger):
-                self.phase = GRAMMAR
-            elif token == self.bound:
-                self.forced = trigger[k:]  # the rest of the trigger; all of it unless the bound starts it
-                self.matched = 0
-                self.phase = FORCING
-                return True
-            self.matched = k
-        elif phase == FORCING:
-            if token != self.forced[self.matched]:
-                return False
-            self.matched += 1
-            if self.matched == len(self.forced):
-                self.phase = GRAMMAR
-        return True
 
 
 def token_prior(model: NGramModel) -> tuple[np.ndarray, np.ndarray]:

@@ -87,8 +87,3 @@ def special_token_ids(tokenizer: Tokenizer) -> SpecialTokenIds:
             raise ValueError(f"tokenizer has no token {token!r}")
         ids.append(token_id)
     return SpecialTokenIds(*ids)
-
-
-def marker_ids(tokenizer: Tokenizer) -> frozenset[int]:
-    """Ids of every special token and text marker: tokens that never occur inside corpus prose."""
-    return frozenset(special_token_ids(tokenizer))

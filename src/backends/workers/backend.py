@@ -126,7 +126,7 @@ class DataParallelBackend(EngineBackend):
         starting = GaugeMetricFamily(
             "gateway_dp_rank_starting", "1 while the rank waits out its backoff or builds its engine.", labels=labels
         )
-        engine_families: dict[str, Metric] = {}
+        engine_families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         now = time.monotonic()
         for rank in self.driver.ranks:
             key = [self.name, str(rank.index)]

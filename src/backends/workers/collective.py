@@ -2,7 +2,7 @@
 
 With DP > 1, DeepInfer's ``has_unfinished_requests()`` is a MAX all-reduce over the DP group and ``step()`` and
 ``close()`` contain collectives: every rank must make the same calls in the same order, or the group hangs. The
-worker loop (``backends.workers.worker``) is written to that rule; ``LockstepEngine`` makes the reference engine
+worker loop (``backends.workers.rank_loop``) is written to that rule; ``LockstepEngine`` makes the reference engine
 obey it too, so the rule is tested on CPU. ``SimulatedGroup`` is the imitation of the interconnect: a MAX
 all-reduce through a hub on rank 0 (as torch.distributed rendezvous at rank 0's store), which also checks that
 every rank is in the *same* collective, so a protocol slip fails loudly instead of passing by luck.
@@ -48,7 +48,7 @@ class SimulatedGroup:
         self.size = size
         self._round = 0
         self._timeout_ms = int(timeout * 1000)
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._hub: threading.Thread | None = None
         if rank == 0:
             router = self._context.socket(zmq.ROUTER)

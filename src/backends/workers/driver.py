@@ -12,25 +12,23 @@ Failure: a rank that exits, reports ``FAILED``, falls silent or is not ready by 
 in-flight requests with an ``UpstreamError`` and is restarted with exponential backoff while the other ranks serve.
 In lockstep mode a dead rank leaves its peers blocked inside a collective, so the whole group is killed, its
 requests failed, and restarted together once every old process is gone. When to restart is decided by
-``RankSupervisor`` (``supervisor.py``), a state machine on the loop's clock; this module carries it out.
+``RankSupervisor`` (``supervisor.py``), a state machine on the loop's clock; ``RankLifecycle``
+(``rank_lifecycle.py``) carries it out (launches, connections, exits, heartbeats, take-downs) and this module keeps
+the dispatch I/O. What the dispatcher knows of each rank is in ``ranks.py``; how a local rank's process is started,
+in ``launch.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import shutil
-import signal
-import socket as socketlib
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from functools import partial
+from itertools import groupby
+from operator import itemgetter
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -38,111 +36,31 @@ from tokenizers import Tokenizer
 
 from backends.engine.driver import DriverStats, Sink
 from backends.engine.protocol import EngineOutput
-from backends.errors import BackendError, InvalidRequestError, OverloadedError, UnavailableError, UpstreamError
+from backends.errors import BackendError, UnavailableError
 from backends.workers import messages as m
 from backends.workers.balancer import RankBalancer
-from backends.workers.keys import keys_for
-from backends.workers.startup import LaunchStatus, read_failure
-from backends.workers.supervisor import Clock, RankSupervisor, RestartPolicy
-from backends.workers.worker import DISPATCHER_LEASE_SECONDS, WorkerSpec
+from backends.workers.launch import RankProcess, WorkerPlan, free_port
+from backends.workers.rank_lifecycle import HEARTBEAT_CHECK_SECONDS, RankLifecycle
+from backends.workers.ranks import RankedEngineView, RankState
+from backends.workers.supervisor import Clock, RankSupervisor
 
-FIRST_LAUNCH = LaunchStatus(1, "", 0.0)
+__all__ = [
+    "HEARTBEAT_CHECK_SECONDS",
+    "STOP_TIMEOUT_SECONDS",
+    "DataParallelDriver",
+    "RankProcess",
+    "WorkerPlan",
+    "free_port",
+]
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_SECONDS = 15.0
 """How long ``stop()`` waits for workers to close their engines before killing them."""
-HEARTBEAT_CHECK_SECONDS = 1.0
-HELLO_AGAIN_SECONDS = 2.0
-HELLO_AGAIN_MAX_SECONDS = 30.0
-"""A remote rank that does not answer our hello is greeted again after 2 s, then 4, 8, ... up to every 30 s."""
 _UINT64 = 0xFFFF_FFFF_FFFF_FFFF
-
-
-@dataclass
-class WorkerPlan:
-    """Where the ranks run and how a worker builds its engine (``factory`` is ``module:function``)."""
-
-    size: int
-    factory: str
-    options: dict[str, Any] = field(default_factory=dict)
-    lockstep: bool = False
-    transport: Literal["ipc", "tcp"] = "ipc"
-    host: str = "127.0.0.1"
-    remote_endpoints: list[str] = field(default_factory=list)
-    """Ranks started elsewhere (``tcp://host:port`` each, one per rank): connected to, never spawned or killed."""
-    rank_env: Callable[[int], dict[str, str]] | None = None
-    """Extra environment per local rank (e.g. its GPUs)."""
-    restart_backoff: float = 0.5
-    """The first restart's delay; it doubles with each failure in a row, up to ``max_backoff``."""
-    max_backoff: float = 30.0
-    stable_seconds: float = 30.0
-    """A rank up this long has its backoff reset."""
-    start_timeout: float = 1800.0
-    """A rank not ready this long after its launch is killed and counted as failed (generous: DeepInfer loading a
-    large model from shared storage takes many minutes, and a deadline hit by a healthy start would repeat)."""
-    heartbeat_timeout: float = 10.0
-    """A rank silent this long is declared dead (workers report at least every second, and after each step)."""
-    lease_seconds: float = DISPATCHER_LEASE_SECONDS
-    """Local ranks: a dispatcher silent this long loses its requests on the rank (it pings every second)."""
-    keys: str | None = None
-    """``rank_keys``: the directory of CURVE key files the rank plane uses over TCP (``backends/workers/keys.py``)."""
-
-    def spawn(
-        self, index: int, endpoint: str, collective: str | None, status: LaunchStatus = FIRST_LAUNCH
-    ) -> RankProcess:
-        """Starts rank ``index``'s worker process on ``endpoint``, as launch ``status.launch`` (it waits
-        ``status.delay`` before building its engine); raises ``OSError`` when it cannot be spawned."""
-        read, write = os.pipe()
-        spec = WorkerSpec(
-            index,
-            self.size,
-            endpoint,
-            self.factory,
-            self.options,
-            self.lockstep,
-            collective,
-            os.getpid(),
-            self.lease_seconds,
-            status.launch,
-            status.after,
-            status.delay,
-            write,
-            self.keys,
-        )
-        env = dict(os.environ)
-        if self.rank_env is not None:
-            env.update(self.rank_env(index))
-        try:
-            return RankProcess(
-                [sys.executable, "-m", "backends.workers.worker", spec.to_json()],
-                read,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                pass_fds=(write,),
-            )
-        except BaseException:
-            os.close(read)
-            raise
-        finally:
-            os.close(write)
-
-
-class RankProcess(subprocess.Popen[bytes]):
-    """A rank worker process we started, with the pipe on which it says why its engine failed."""
-
-    def __init__(self, args: list[str], failure_fd: int, **options: Any) -> None:
-        super().__init__(args, **options)
-        self._failure_fd: int | None = failure_fd
-
-    def end_reason(self) -> str:
-        """Why it ended, once it has exited: the engine's failure as it wrote it, else its exit status."""
-        code = self.wait()
-        written = ""
-        if self._failure_fd is not None:
-            written = read_failure(self._failure_fd)
-            self._failure_fd = None
-        return f"engine failed: {written}" if written else f"worker exited with {describe_exit(code)}"
+_as_output: Callable[[tuple[Any, ...]], EngineOutput] = partial(tuple.__new__, EngineOutput)
+"""An output as it came off the wire (``EngineOutput`` fields in order) as the record, without a Python call."""
+_request_id = itemgetter(0)
 
 
 class _Entry:
@@ -155,131 +73,6 @@ class _Entry:
         self.index = index
         self.rank = rank
         self.queued = queued  # prompt tokens not yet prefilled (0 after the first output)
-
-
-class RankState:
-    """The dispatcher's view of one rank; read by metrics and tests."""
-
-    def __init__(self, index: int, endpoint: str, remote: bool) -> None:
-        self.index = index
-        self.endpoint = endpoint
-        self.remote = remote
-        self.state: Literal["down", "starting", "up"] = "down"
-        self.process: RankProcess | None = None
-        self.exited: asyncio.Future[int] | None = None
-        self.socket: zmq.Socket | None = None
-        self.pid: int | None = None
-        self.info: m.EngineInfo | None = None
-        self.requests: set[str] = set()
-        self.queued_tokens = 0
-        self.others = m.RankLoad(0, 0)  # what the rank holds for other dispatchers, as it last reported
-        self.hellos = 0  # RESETs sent on this socket and not answered yet
-        self.hello_at = 0.0  # when the last one was sent
-        self.hello_again = HELLO_AGAIN_SECONDS  # a starting remote rank not answering is greeted again after this
-        self.adds: list[list[Any]] = []
-        self.aborts: list[str] = []
-        self.taken = 0  # ``seq`` of the last STEP message taken: its outputs handed on, the tasks they woke run
-        self.credited = 0  # the ``taken`` the rank was last told
-        self.stats: m.RankStats | None = None  # the rank's own counters (this incarnation's), as last reported
-        self.samples: Sequence[Sequence[Any]] = ()  # the engine's own metric_samples(), as last reported
-        self.dispatched = 0  # requests this dispatcher sent it (the rank's own count, of everyone's: ``stats``)
-        self.launches = 0  # launches (local ranks) or connections (remote ones) by this dispatcher
-        self.launch = 0  # the incarnation's own number, as it reported it (READY, STARTING); 0: not heard yet
-        self.after = ""  # why its previous incarnation ended, as it reported it
-        self.reason = "not started"
-        self.retry_at: float | None = None  # down: when it is started (or, remote, connected) again
-        self.settled = False  # up once, or failed once: the backend's start waits for no more
-        self.builds_at: float | None = None  # starting: when it said it would build its engine (after its backoff)
-        self.last_heard = 0.0
-
-    def explain(self, now: float) -> str:
-        """Why the rank does not serve, with its restarts and backoff: for ``/ready`` and the log."""
-        if self.state == "down" and self.retry_at is not None:
-            text = f"{self.reason}; restarting in {max(0.0, self.retry_at - now):.1f} s"
-        elif self.state == "starting" and self.launch:
-            text = f"starting, launch {self.launch}"
-            if self.builds_at is not None and self.builds_at > now:
-                text += f", building its engine in {self.builds_at - now:.1f} s"
-            if self.after:
-                text += f" (after: {self.after})"
-        else:
-            text = self.reason
-        return f"{text}; {self.restarts} restarts" if self.restarts else text
-
-    def backoff(self, now: float) -> float:
-        """Seconds until the rank is started again (0 when it is up or starting now)."""
-        if self.state == "down" and self.retry_at is not None:
-            return max(0.0, self.retry_at - now)
-        if self.state == "starting" and self.builds_at is not None:
-            return max(0.0, self.builds_at - now)
-        return 0.0
-
-    def report(self, stats: m.RankStats) -> None:
-        self.stats = stats
-        if stats.samples is not None:  # sent about once a second, not with every step
-            self.samples = stats.samples
-
-    @property
-    def outstanding(self) -> int:
-        return len(self.requests)
-
-    @property
-    def has_commands(self) -> bool:
-        """Adds, aborts or a credit wait to be sent (held back by a full queue, or not flushed yet)."""
-        return bool(self.adds or self.aborts) or self.taken != self.credited
-
-    @property
-    def restarts(self) -> int:
-        """As the rank's launcher counts them: the incarnation number a remote rank reports, our launches of a local
-        one (which tell it its number)."""
-        return max(0, (self.launch if self.remote else self.launches) - 1)
-
-    def totals(self) -> DriverStats:
-        """The rank's counters since it started, as it reported them (the same for every dispatcher)."""
-        s = self.stats
-        if s is None:
-            return DriverStats()
-        return DriverStats(s.steps, s.tokens, s.busy_seconds, s.engine_seconds)
-
-    def forget_stats(self) -> None:
-        """The rank is down: its counters and gauges are gone with it (a new incarnation counts from 0)."""
-        self.stats = None
-        self.samples = ()
-
-
-class RankedEngineView:
-    """What ``EngineBackend`` reads from ``driver.engine``: the tokenizer (loaded here) and the ranks' limits, as the
-    first rank that came up reported them (until one has, the tokenizer's vocabulary and no context)."""
-
-    def __init__(self, tokenizer: Tokenizer, driver: DataParallelDriver) -> None:
-        self.tokenizer = tokenizer
-        self._driver = driver
-
-    @property
-    def info(self) -> m.EngineInfo | None:
-        return next((r.info for r in self._driver.ranks if r.info is not None), None)
-
-    @property
-    def max_model_len(self) -> int:
-        info = self.info
-        return info.max_model_len if info is not None else 0
-
-    @property
-    def vocab_size(self) -> int:
-        info = self.info
-        return info.vocab_size if info is not None else self.tokenizer.get_vocab_size()
-
-    @property
-    def fingerprint(self) -> str | None:
-        info = self.info
-        return info.fingerprint if info is not None else None
-
-    def get_num_unfinished_requests(self) -> int:
-        """Requests some rank still holds, as the dispatcher knows them."""
-        return self._driver.in_flight
-
-    def metric_samples(self) -> tuple[()]:
-        return ()  # per-rank statistics are metric families with a rank label (``DataParallelBackend``)
 
 
 class DataParallelDriver:
@@ -307,18 +100,15 @@ class DataParallelDriver:
         self.ranks: list[RankState] = []
         self._sinks: dict[str, _Entry] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._context: zmq.Context | None = None
-        self._run_dir: str | None = None
         self._flush_pending = False
-        self._started: asyncio.Future[None] | None = None
-        self._stopping = False
-        self.supervisor: RankSupervisor | None = None
-        self._generation = 0
-        self._heartbeat: asyncio.TimerHandle | None = None
         self._last_prompt: np.ndarray | None = None
         self._last_rank = -1
         self.identity = f"{os.getpid()}-{os.urandom(4).hex()}".encode()
         """This dispatcher's ZeroMQ routing id: ranks serving several front ends keep their requests apart by it."""
+        self.lifecycle = RankLifecycle(
+            name, plan, self.identity, self.balancer, self._send, self._on_readable, self._fail, self._schedule_flush
+        )
+        """Each rank's process, socket and liveness: what the supervisor decides, carried out."""
 
     # ---- the EngineDriver surface ----------------------------------------------------------------------------------
 
@@ -338,13 +128,18 @@ class DataParallelDriver:
         return len(self._sinks)
 
     @property
+    def supervisor(self) -> RankSupervisor | None:
+        """When ranks restart (set up at ``start``)."""
+        return self.lifecycle.supervisor
+
+    @property
     def alive(self) -> bool:
-        return self.engine is not None and not self._stopping and any(self._usable(r) for r in self.ranks)
+        return self.engine is not None and not self.lifecycle.stopping and any(self._usable(r) for r in self.ranks)
 
     @property
     def failure(self) -> str | None:
         """Why no rank can serve, once started (``None`` while at least one can, or before the first start)."""
-        if self.engine is None or self._stopping or self.alive:
+        if self.engine is None or self.lifecycle.stopping or self.alive:
             return None
         return f"0/{self.plan.size} ranks up: {self._reasons()}"
 
@@ -360,21 +155,15 @@ class DataParallelDriver:
         """Starts every rank and returns once each is up or has failed (a rank that fails to build is restarted
         with backoff like any other, while ``/ready`` says why); raises (and cleans up) if it cannot start."""
         self._loop = loop = asyncio.get_running_loop()
-        self._context = zmq.Context()
-        self._run_dir = tempfile.mkdtemp(prefix="dp-")
+        lifecycle = self.lifecycle
+        lifecycle.open(loop)
         tokenizer_task = asyncio.ensure_future(asyncio.to_thread(self._load_tokenizer))
-        self.ranks = [RankState(i, self._endpoint(i), bool(self.plan.remote_endpoints)) for i in range(self.plan.size)]
-        self._started = loop.create_future()
-        plan = self.plan
-        policy = RestartPolicy(plan.restart_backoff, plan.max_backoff, plan.stable_seconds, plan.start_timeout)
-        self.supervisor = RankSupervisor(
-            plan.size, policy, self.clock or loop, self, lockstep=plan.lockstep, local=not plan.remote_endpoints
-        )
-        # From the start on: a rank up before the others is pinged (its lease), a remote one still loading greeted.
-        self._heartbeat = loop.call_later(HEARTBEAT_CHECK_SECONDS, self._check_heartbeats)
+        self.ranks = lifecycle.new_ranks()
+        started = lifecycle.begin(self.clock)
         try:
-            self.supervisor.start()
-            await self._started
+            assert lifecycle.supervisor is not None
+            lifecycle.supervisor.start()
+            await started
             tokenizer = await tokenizer_task
         except BaseException:
             tokenizer_task.cancel()
@@ -384,11 +173,7 @@ class DataParallelDriver:
 
     async def stop(self) -> None:
         """Fails outstanding requests, has every local rank close its engine (together, in lockstep), reaps them."""
-        self._stopping = True
-        if self.supervisor is not None:
-            self.supervisor.close()
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        self.lifecycle.begin_stop()
         for request_id in list(self._sinks):
             self._fail(request_id, UnavailableError(f"backend {self.name!r} is shutting down"))
         for rank in self.ranks:
@@ -403,16 +188,7 @@ class DataParallelDriver:
                         logger.warning("rank %d of %s did not stop in time; killing it", rank.index, self.name)
                         rank.process.kill()
                 await asyncio.wait(late, timeout=STOP_TIMEOUT_SECONDS)
-        for rank in self.ranks:
-            self._close_socket(rank)
-            rank.state = "down"
-            rank.reason = "stopped"
-        if self._context is not None:
-            self._context.term()
-            self._context = None
-        if self._run_dir is not None:
-            shutil.rmtree(self._run_dir, ignore_errors=True)
-            self._run_dir = None
+        self.lifecycle.close()
 
     def add(
         self,
@@ -520,7 +296,7 @@ class DataParallelDriver:
             logger.error("cannot send to rank %d of %s: %s", rank.index, self.name, exc)
         # ZeroMQ's descriptor is edge-triggered and any operation may consume its edge: reading ZMQ_EVENTS re-arms
         # it, and tells whether messages are already waiting that no edge will announce.
-        if socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._loop.call_soon(self._on_readable, rank.index)
         return sent
 
@@ -554,11 +330,11 @@ class DataParallelDriver:
                 rank.others = m.RankLoad(*message[2])
                 self._learn(rank, message[3])
             elif kind == m.READY:
-                self._on_ready(rank, message[1], m.EngineInfo(*message[2]), message[3])
+                self.lifecycle.on_ready(rank, message[1], m.EngineInfo(*message[2]), message[3])
             elif kind == m.STARTING:
-                self._on_starting(rank, message[1], *message[2])
+                self.lifecycle.on_starting(rank, message[1], *message[2])
             elif kind == m.FAILED:
-                self._rank_failed(rank, f"engine failed: {message[1]}")
+                self.lifecycle.rank_failed(rank, f"engine failed: {message[1]}")
             elif kind == m.CLOSED:
                 rank.reason = "closed"
 
@@ -579,15 +355,16 @@ class DataParallelDriver:
         self._on_readable(rank.index)
 
     def _dispatch(self, rank: RankState, outputs: Sequence[tuple[Any, ...]], errors: Sequence[Any]) -> None:
-        grouped: dict[str, list[tuple[Any, ...]]] = {}
-        for out in outputs:
-            group = grouped.get(out[0])
+        # Records are built and grouped in C (a step lists each request's outputs together): Python runs once per
+        # request per step, not once per token.
+        grouped: dict[str, list[EngineOutput]] = {}
+        for request_id, run in groupby(map(_as_output, outputs), _request_id):
+            group = grouped.get(request_id)
             if group is None:
-                grouped[out[0]] = [out]
+                grouped[request_id] = list(run)
             else:
-                group.append(out)
+                group.extend(run)
         sinks = self._sinks
-        make = EngineOutput._make
         for request_id, group in grouped.items():
             entry = sinks.get(request_id)
             if entry is None:
@@ -598,9 +375,9 @@ class DataParallelDriver:
             if group[-1][2]:  # finished
                 del sinks[request_id]
                 rank.requests.discard(request_id)
-            entry.sink(entry.index, list(map(make, group)))
+            entry.sink(entry.index, group)
         for request_id, kind, message in errors:
-            self._fail(request_id, _rebuild_error(kind, message))
+            self._fail(request_id, m.rebuild_error(kind, message))
 
     def _fail(self, request_id: str, error: BackendError) -> None:
         entry = self._sinks.pop(request_id, None)
@@ -614,260 +391,6 @@ class DataParallelDriver:
         rank.queued_tokens -= entry.queued
         entry.queued = 0
 
-    def _on_starting(self, rank: RankState, pid: int, launch: int, after: str, delay: float) -> None:
-        """The rank waits out its backoff or builds its engine; a rank we served from has restarted."""
-        if rank.state == "up":
-            self._take_down(rank, "restarted")
-            self._connect(rank)
-            rank.state = "starting"
-        elif rank.state != "starting":
-            return
-        rank.pid = pid
-        rank.launch = launch
-        rank.after = after
-        rank.builds_at = time.monotonic() + delay
-        rank.reason = "starting"
-        if after:  # its launcher restarts it after failures: the start does not wait for it
-            rank.settled = True
-            self._maybe_started()
-
-    def _on_ready(self, rank: RankState, pid: int, info: m.EngineInfo, launch: int) -> None:
-        answer = rank.hellos > 0
-        rank.hellos = max(0, rank.hellos - 1)
-        if rank.state == "up" and answer:
-            return  # the answer to a further RESET: one sent again while starting, or after an unsolicited READY
-        if rank.state == "up":
-            # Unsolicited: the rank does not know us. A new incarnation behind the same endpoint (remote ranks, or
-            # ranks the front-end supervisor hosts), or it dropped us when our lease ran out: our requests are gone.
-            self._take_down(rank, "restarted" if pid != rank.pid else "the rank dropped this dispatcher's lease")
-            self._connect(rank)
-        elif rank.state != "starting":
-            return  # a late READY on a socket of a rank taken down
-        rank.pid = pid
-        rank.info = info
-        rank.launch = launch
-        rank.builds_at = None
-        rank.taken = rank.credited = 0  # a new session: the rank numbers its step messages from 1 again
-        rank.state = "up"
-        rank.reason = ""
-        rank.last_heard = time.monotonic()
-        logger.info("rank %d of %s is up (pid %d)", rank.index, self.name, pid)
-        assert self.supervisor is not None
-        self.supervisor.ready(rank.index)
-        self._maybe_started()
-
-    # ---- processes, sockets, failure (what RankSupervisor decides, carried out: the RankControl surface) --------
-
-    def launch(self, ranks: Sequence[int]) -> None:
-        """Starts these ranks (all of them, as one new group, in lockstep)."""
-        collective = None
-        if self.plan.lockstep:
-            self._generation += 1
-            collective = self._collective_endpoint()
-        for index in ranks:
-            self._launch(self.ranks[index], collective)
-
-    def take_down(self, index: int, reason: str, restart_in: float) -> None:
-        rank = self.ranks[index]
-        logger.error("rank %d of %s is down: %s; restarting in %.1f s", index, self.name, reason, restart_in)
-        self._take_down(rank, reason)
-        rank.retry_at = time.monotonic() + restart_in
-        rank.settled = True
-        self._maybe_started()
-
-    def _maybe_started(self) -> None:
-        """The start is over once every rank is up or has failed (and is being restarted)."""
-        started = self._started
-        if started is not None and not started.done() and all(r.state == "up" or r.settled for r in self.ranks):
-            started.set_result(None)
-
-    def _endpoint(self, rank: int) -> str:
-        """Where a rank is reached: for a local TCP rank a port free now, chosen again at each launch (the old one
-        may have been taken meanwhile; if it is taken before the worker binds, the worker exits and is relaunched
-        on another)."""
-        plan = self.plan
-        if plan.remote_endpoints:
-            return plan.remote_endpoints[rank]
-        if plan.transport == "tcp":
-            return f"tcp://{plan.host}:{free_port(plan.host)}"
-        assert self._run_dir is not None
-        return f"ipc://{self._run_dir}/rank-{rank}"
-
-    def _collective_endpoint(self) -> str:
-        if self.plan.transport == "tcp":
-            return f"tcp://{self.plan.host}:{free_port(self.plan.host)}"
-        return f"ipc://{self._run_dir}/collective-{self._generation}"
-
-    def _launch(self, rank: RankState, collective: str | None) -> None:
-        """Connects to the rank's endpoint (sending RESET as the hello) and, for a local rank, starts its process."""
-        assert self._loop is not None
-        after = rank.reason if rank.launches else ""
-        rank.state = "starting"
-        rank.reason = "starting"
-        rank.pid = None
-        rank.retry_at = rank.builds_at = None
-        rank.launches += 1
-        if not rank.remote:  # what we tell it; a remote rank tells us
-            rank.launch, rank.after = rank.launches, after
-        if not rank.remote:
-            rank.endpoint = self._endpoint(rank.index)
-        self._connect(rank)
-        if rank.remote:
-            return
-        # Spawned from the event loop's thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
-        try:
-            process = self.plan.spawn(rank.index, rank.endpoint, collective, LaunchStatus(rank.launches, after, 0.0))
-        except OSError as exc:  # reported from the next loop iteration: the supervisor is inside its launch now
-            logger.exception("cannot start rank %d of %s", rank.index, self.name)
-            self._loop.call_soon(self._never_started, rank, f"cannot start its worker process: {exc}")
-            return
-        rank.process = process
-        rank.exited = self._loop.create_future()
-        self._watch_exit(rank, process, rank.exited)
-
-    def _connect(self, rank: RankState) -> None:
-        assert self._context is not None and self._loop is not None
-        self._close_socket(rank)
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.ROUTING_ID, self.identity)
-        keys = keys_for(rank.endpoint, self.plan.keys)
-        if keys is not None:
-            keys.connect_as_client(socket)
-        m.bound_queues(socket)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RECONNECT_IVL, 20)
-        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        socket.connect(rank.endpoint)
-        rank.socket = socket
-        rank.last_heard = time.monotonic()
-        self._loop.add_reader(socket.FD, self._on_readable, rank.index)
-        rank.hellos = 1
-        rank.hello_at = rank.last_heard
-        rank.hello_again = HELLO_AGAIN_SECONDS
-        self._send(rank, [m.RESET])  # queued until connected; the worker answers READY
-
-    def _close_socket(self, rank: RankState) -> None:
-        socket = rank.socket
-        if socket is None:
-            return
-        rank.socket = None
-        if self._loop is not None:
-            self._loop.remove_reader(socket.FD)
-        socket.close(linger=0)
-
-    def _watch_exit(self, rank: RankState, process: RankProcess, exited: asyncio.Future[int]) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        try:
-            pidfd = os.pidfd_open(process.pid)
-        except (AttributeError, OSError):  # no pidfd (old kernel): a thread waits instead
-            loop.run_in_executor(None, process.wait).add_done_callback(lambda _: self._on_exit(rank, process, exited))
-            return
-
-        def readable() -> None:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-            self._on_exit(rank, process, exited)
-
-        loop.add_reader(pidfd, readable)
-
-    def _on_exit(self, rank: RankState, process: RankProcess, exited: asyncio.Future[int]) -> None:
-        reason = process.end_reason()
-        if not exited.done():
-            exited.set_result(process.returncode)
-        if rank.process is not process:
-            return
-        rank.process = None
-        if self._stopping:
-            return
-        self._rank_failed(rank, reason)
-        assert self.supervisor is not None
-        self.supervisor.exited(rank.index)  # its GPU memory is free: a relaunch may go ahead
-
-    def _never_started(self, rank: RankState, reason: str) -> None:
-        if self._stopping:
-            return
-        self._rank_failed(rank, reason)
-        assert self.supervisor is not None
-        self.supervisor.exited(rank.index)  # there is no process to wait for
-
-    def _rank_failed(self, rank: RankState, reason: str) -> None:
-        """Reports the failure; the supervisor takes the rank (in lockstep, the group) down and plans the restart."""
-        if rank.state == "down" or self._stopping:
-            return
-        assert self.supervisor is not None
-        self.supervisor.failed(rank.index, reason)
-
-    def _take_down(self, rank: RankState, reason: str) -> None:
-        """Marks the rank down, fails its requests, and kills its process (if ours) so it can be replaced."""
-        rank.state = "down"
-        rank.reason = reason
-        self._close_socket(rank)
-        rank.forget_stats()
-        rank.adds = []
-        rank.aborts = []
-        self.balancer.forget(rank.index)
-        error = UpstreamError(f"data-parallel rank {rank.index} of backend {self.name!r} failed: {reason}")
-        for request_id in list(rank.requests):
-            self._fail(request_id, error)
-        rank.queued_tokens = 0
-        rank.others = m.RankLoad(0, 0)
-        if rank.process is not None and rank.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                rank.process.send_signal(signal.SIGKILL)
-
-    def _check_heartbeats(self) -> None:
-        assert self._loop is not None
-        now = time.monotonic()
-        for rank in self.ranks:
-            if rank.state == "up" and now - rank.last_heard > self.plan.heartbeat_timeout:
-                self._rank_failed(rank, f"silent for {now - rank.last_heard:.0f} s")
-                continue
-            if rank.state == "up" and rank.socket is not None:
-                self._send(rank, [m.PING])  # renews our lease on the rank (redundant if its queue is full)
-                if rank.hellos and now - rank.hello_at > self.plan.heartbeat_timeout:
-                    rank.hellos = 0  # unanswered by now: lost with an incarnation that died while loading
-            elif rank.state == "starting" and rank.remote and rank.socket is not None:
-                self._greet_again(rank, now)
-            if rank.has_commands:
-                self._schedule_flush()  # commands held back by a full queue (normally ``_on_readable`` resends)
-        self._heartbeat = self._loop.call_later(HEARTBEAT_CHECK_SECONDS, self._check_heartbeats)
-
-    def _greet_again(self, rank: RankState, now: float) -> None:
-        """A rank started elsewhere may have taken our hello and died while loading; its replacement behind the same
-        endpoint (our socket reconnects by itself) never heard it. So a starting remote rank is greeted again, at
-        growing intervals: a rank still loading answers every RESET with READY once its engine is up."""
-        if now - rank.hello_at < rank.hello_again:
-            return
-        if self._send(rank, [m.RESET]):
-            rank.hellos += 1
-        rank.hello_at = now
-        rank.hello_again = min(HELLO_AGAIN_MAX_SECONDS, rank.hello_again * 2)
-
     def _reasons(self) -> str:
         now = time.monotonic()
         return "; ".join(f"rank {r.index}: {r.explain(now)}" for r in self.ranks if not self._usable(r)) or "none"
-
-
-def _rebuild_error(kind: str, message: str) -> BackendError:
-    if kind == "invalid_request":
-        return InvalidRequestError(message)
-    if kind == "overloaded":
-        return OverloadedError(message, retry_after=1.0)
-    return UpstreamError(message)
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"code {code}"
-
-
-def free_port(host: str) -> int:
-    """A port the kernel has free now, for a local worker to bind (tcp transport)."""
-    with socketlib.socket(socketlib.AF_INET, socketlib.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])

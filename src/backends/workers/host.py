@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 
 import zmq
 
@@ -76,7 +77,7 @@ class RankHost:
         due = [rank.due for rank in self.ranks if rank.due is not None]
         return max(0.0, min(due) - now) if due else None
 
-    def on_exited(self, ready: list[object], now: float) -> None:
+    def on_exited(self, ready: Sequence[object], now: float) -> None:
         """Reaps the ranks whose pidfd is in ``ready`` and starts them again, each waiting out its backoff (the
         whole group, in lockstep, once every old process is gone)."""
         exited = [rank for rank in self.ranks if rank.pidfd is not None and rank.pidfd in ready]

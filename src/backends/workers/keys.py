@@ -29,16 +29,14 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from backends.errors import RankKeysError
+
 RANK_KEY = "rank"
 """``rank.key`` / ``rank.key_secret``: the ranks' key pair."""
 GATEWAY_KEY = "gateway"
 """``gateway.key`` / ``gateway.key_secret``: the dispatchers' key pair."""
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
-
-
-class RankKeysError(ValueError):
-    """The key directory lacks a file this side needs, or a file is not a ZeroMQ certificate."""
 
 
 def is_tcp(endpoint: str) -> bool:

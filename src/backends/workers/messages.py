@@ -13,6 +13,7 @@ import msgpack
 import zmq
 
 from backends.engine.driver import STEPS_AHEAD as ENGINE_STEPS_AHEAD
+from backends.errors import BackendError, InvalidRequestError, OverloadedError, UpstreamError
 
 # Dispatcher -> worker.
 BATCH = 0
@@ -131,3 +132,12 @@ def unpack_command(data: bytes) -> Any:
 def unpack_event(data: bytes) -> Any:
     """Dispatcher side: arrays become tuples, the cheapest record to build per output."""
     return msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=False)
+
+
+def rebuild_error(kind: str, message: str) -> BackendError:
+    """A rank's error for one request, as the dispatcher raises it to the request's caller."""
+    if kind == "invalid_request":
+        return InvalidRequestError(message)
+    if kind == "overloaded":
+        return OverloadedError(message, retry_after=1.0)
+    return UpstreamError(message)

@@ -1,9 +1,7 @@
 """The Messages API request bodies (``POST /v1/messages`` and ``/v1/messages/count_tokens``), validated once.
 
-Content blocks are checked by hand rather than as nested pydantic models: a Claude Code request is 50 KB of
-blocks, and one pass over plain dicts that brings each block into its canonical shape (a string ``content`` is a
-list of one text block; ``cache_control`` and ``citations`` dropped) costs a fraction of building models. Errors
-name the full path (``messages[2].content[0].type``), as on the OpenAI routes.
+Content blocks and tools are checked by hand in ``gateway.anthropic.blocks``, not as nested pydantic models.
+Errors name the full path (``messages[2].content[0].type``), as on the OpenAI routes.
 
 What Anthropic would refuse is refused (a final assistant message, as on models without prefill; a
 ``tool_result`` that answers no ``tool_use`` of the turn before; thinking with a forced tool; ``budget_tokens``
@@ -16,14 +14,13 @@ cannot honour are a 400 that names them (images and documents, server tools, MCP
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from gateway.openai.protocol import (
+from gateway.anthropic.blocks import canonical_block, canonical_message, check_custom_tool, check_tool_turns
+from gateway.openai.parameters import (
     MAX_TOKENS_LIMIT,
-    TOOL_NAME,
     EmptyArray,
     InvalidText,
     MissingParameter,
@@ -35,52 +32,6 @@ from gateway.openai.protocol import (
 
 MIN_THINKING_BUDGET = 1024
 MAX_STOP_SEQUENCES = 64
-TOOL_USE_ID = re.compile(r"[A-Za-z0-9_-]+")
-ROLES = ("user", "assistant", "system")
-TOOL_FIELDS = frozenset(
-    {
-        "type",
-        "name",
-        "description",
-        "input_schema",
-        "cache_control",
-        "strict",
-        "input_examples",
-        "defer_loading",
-        "allowed_callers",
-        "eager_input_streaming",
-    }
-)
-"""A custom tool's fields. ``strict`` and ``eager_input_streaming`` change nothing here (forced calls follow the
-schema anyway; a call's input is sent once it is final) and ``input_examples`` are not shown to the model."""
-UNSUPPORTED_BLOCKS = {
-    "image": "images are not supported by this model; send text",
-    "document": "documents are not supported by this model; send their text",
-    "search_result": "search_result blocks are not supported; send their text",
-    "server_tool_use": "server tools are not supported",
-    "web_search_tool_result": "server tools are not supported",
-    "web_fetch_tool_result": "server tools are not supported",
-    "code_execution_tool_result": "server tools are not supported",
-    "bash_code_execution_tool_result": "server tools are not supported",
-    "text_editor_code_execution_tool_result": "server tools are not supported",
-    "tool_search_tool_result": "server tools are not supported",
-    "container_upload": "containers are not supported",
-    "mcp_tool_use": "MCP servers are not supported",
-    "mcp_tool_result": "MCP servers are not supported",
-}
-"""Content blocks Anthropic defines that these models or this gateway cannot take: a 400 that says so."""
-BLOCKS_BY_ROLE = {
-    "user": frozenset({"text", "tool_result"}),
-    "assistant": frozenset({"text", "thinking", "redacted_thinking", "tool_use"}),
-    "system": frozenset({"text"}),
-}
-BLOCK_FIELDS = {
-    "text": frozenset({"type", "text", "cache_control", "citations"}),
-    "tool_use": frozenset({"type", "id", "name", "input", "cache_control", "caller"}),
-    "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
-    "thinking": frozenset({"type", "thinking", "signature"}),
-    "redacted_thinking": frozenset({"type", "data"}),
-}
 
 
 class _Body(BaseModel):
@@ -192,13 +143,13 @@ class _Conversation(_Body):
     def _canonical_messages(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not value:
             raise EmptyArray("", "at least one message is required")
-        return [_message(message, f"[{i}]") for i, message in enumerate(value)]
+        return [canonical_message(message, f"[{i}]") for i, message in enumerate(value)]
 
     @field_validator("system")
     @classmethod
     def _system_text(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
         if isinstance(value, list):
-            return [_block(block, f"[{i}]", "system") for i, block in enumerate(value)]
+            return [canonical_block(block, f"[{i}]", "system") for i, block in enumerate(value)]
         return value
 
     @field_validator("tools")
@@ -206,7 +157,7 @@ class _Conversation(_Body):
     def _custom_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         names: set[str] = set()
         for i, tool in enumerate(value or ()):
-            _custom_tool(tool, f"[{i}]")
+            check_custom_tool(tool, f"[{i}]")
             if tool["name"] in names:
                 raise ParameterError(f"[{i}].name", f"the tool {shown(tool['name'])} is given twice")
             names.add(tool["name"])
@@ -240,7 +191,7 @@ class _Conversation(_Body):
                 f"messages[{len(self.messages) - 1}]",
                 "this model does not support assistant message prefill: the conversation must end with a user message",
             )
-        _check_tool_turns(self.messages)
+        check_tool_turns(self.messages)
         names = {tool["name"] for tool in self.tools or ()}
         for i, message in enumerate(self.messages):
             for j, block in enumerate(message["content"]):
@@ -315,171 +266,5 @@ class MessagesRequest(_Conversation):
         return None
 
 
-# ---- content blocks ------------------------------------------------------------------------------------------
-
-
-def _message(message: Any, where: str) -> dict[str, Any]:
-    if not isinstance(message, dict):
-        raise ParameterError(where, "a message must be an object")
-    role = message.get("role")
-    if role not in ROLES:
-        raise ParameterError(f"{where}.role", f"expected 'user', 'assistant' or 'system', got {shown(role)}")
-    extra = sorted(set(message) - {"role", "content"})
-    if extra:
-        raise ParameterError(f"{where}.{extra[0]}", "unknown field in a message")
-    if "content" not in message:
-        raise MissingParameter(f"{where}.content", "a message needs content")
-    content = message["content"]
-    if isinstance(content, str):
-        blocks = [{"type": "text", "text": content}]
-    elif isinstance(content, list):
-        blocks = [_block(block, f"{where}.content[{j}]", role) for j, block in enumerate(content)]
-    else:
-        raise ParameterError(f"{where}.content", "expected a string or a list of content blocks")
-    return {"role": role, "content": blocks}
-
-
-def _block(block: Any, where: str, role: str) -> dict[str, Any]:
-    """A content block in its canonical shape, or a ``ParameterError`` naming what is wrong with it."""
-    if not isinstance(block, dict):
-        raise ParameterError(where, "a content block must be an object")
-    kind = block.get("type")
-    if kind in UNSUPPORTED_BLOCKS:
-        raise UnsupportedParameter(f"{where}.type", UNSUPPORTED_BLOCKS[kind])
-    if kind not in BLOCKS_BY_ROLE[role]:
-        allowed = ", ".join(sorted(BLOCKS_BY_ROLE[role]))
-        raise ParameterError(f"{where}.type", f"a {role} message takes blocks of type {allowed}, not {shown(kind)}")
-    extra = sorted(set(block) - BLOCK_FIELDS[kind])
-    if extra:
-        raise ParameterError(f"{where}.{extra[0]}", f"unknown field in a {kind} block")
-    if kind == "text":
-        return {"type": "text", "text": _string(block, "text", where)}
-    if kind == "thinking":
-        return {
-            "type": "thinking",
-            "thinking": _string(block, "thinking", where),
-            "signature": _string(block, "signature", where),
-        }
-    if kind == "redacted_thinking":
-        return {"type": "redacted_thinking", "data": _string(block, "data", where)}
-    if kind == "tool_use":
-        use_id = _string(block, "id", where)
-        if not TOOL_USE_ID.fullmatch(use_id):
-            raise ParameterError(f"{where}.id", "a tool_use id is letters, digits, underscores and dashes")
-        if not isinstance(block.get("input"), dict):
-            raise ParameterError(f"{where}.input", "expected an object")
-        caller = block.get("caller")
-        if caller is not None and caller != {"type": "direct"}:
-            raise UnsupportedParameter(f"{where}.caller", "only direct tool calls are supported")
-        return {"type": "tool_use", "id": use_id, "name": _string(block, "name", where), "input": block["input"]}
-    # tool_result
-    content = block.get("content", "")
-    references: list[str] = []  # tools a tool search loaded (``tool_reference`` blocks)
-    if isinstance(content, list):
-        texts = []
-        for k, part in enumerate(content):
-            here = f"{where}.content[{k}]"
-            if not isinstance(part, dict):
-                raise ParameterError(here, "a content block must be an object")
-            kind = part.get("type")
-            if kind in UNSUPPORTED_BLOCKS:
-                raise UnsupportedParameter(f"{here}.type", UNSUPPORTED_BLOCKS[kind])
-            if kind == "tool_reference":
-                extra = sorted(set(part) - {"type", "tool_name", "cache_control"})
-                if extra:
-                    raise ParameterError(f"{here}.{extra[0]}", "unknown field in a tool_reference block")
-                references.append(_string(part, "tool_name", here))
-                texts.append(f"Tool loaded: {part['tool_name']}")
-                continue
-            if kind != "text":
-                raise ParameterError(f"{here}.type", f"expected 'text' or 'tool_reference', got {shown(kind)}")
-            texts.append(_block(part, here, "user")["text"])
-        content = "\n\n".join(texts)
-    elif not isinstance(content, str):
-        raise ParameterError(f"{where}.content", "expected a string or a list of text blocks")
-    is_error = block.get("is_error", False)
-    if not isinstance(is_error, bool):
-        raise ParameterError(f"{where}.is_error", "expected true or false")
-    return {
-        "type": "tool_result",
-        "tool_use_id": _string(block, "tool_use_id", where),
-        "content": content,
-        "is_error": is_error,
-        "references": references,
-    }
-
-
-def _string(block: dict[str, Any], key: str, where: str) -> str:
-    value = block.get(key)
-    if value is None and key not in block:
-        raise MissingParameter(f"{where}.{key}", f"a {block.get('type')} block needs {key}")
-    if not isinstance(value, str):
-        raise ParameterError(f"{where}.{key}", "expected a string")
-    return value
-
-
-def _custom_tool(tool: Any, where: str) -> None:
-    if not isinstance(tool, dict):
-        raise ParameterError(where, "a tool must be an object")
-    kind = tool.get("type")
-    if kind not in (None, "custom"):
-        raise UnsupportedParameter(
-            f"{where}.type", f"server tools ({shown(kind)}) are not supported; declare a custom tool with input_schema"
-        )
-    extra = sorted(set(tool) - TOOL_FIELDS)
-    if extra:
-        raise ParameterError(f"{where}.{extra[0]}", "unknown field in a tool")
-    name = tool.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise ParameterError(f"{where}.name", "must be 1-64 letters, digits, underscores or dashes")
-    if "description" in tool and not isinstance(tool["description"], str):
-        raise ParameterError(f"{where}.description", "expected a string")
-    schema = tool.get("input_schema")
-    if not isinstance(schema, dict):
-        raise MissingParameter(f"{where}.input_schema", "a tool needs an input_schema (a JSON Schema object)")
-    if schema.get("type") != "object":
-        raise ParameterError(f"{where}.input_schema.type", f"expected 'object', got {shown(schema.get('type'))}")
-    if not isinstance(tool.get("defer_loading", False), bool):
-        raise ParameterError(f"{where}.defer_loading", "expected true or false")
-    callers = tool.get("allowed_callers")
-    if callers is not None and callers != ["direct"]:
-        raise UnsupportedParameter(f"{where}.allowed_callers", "only direct tool calls are supported")
-
-
-def _check_tool_turns(messages: list[dict[str, Any]]) -> None:
-    """Anthropic's pairing of tool uses and results. Consecutive messages of one role are one turn; the turn after
-    an assistant turn that used tools is a user turn that begins with one ``tool_result`` for each use (text comes
-    after them), and a ``tool_result`` answers a ``tool_use`` of the assistant turn just before it."""
-    turns: list[tuple[str, list[tuple[str, dict[str, Any]]]]] = []  # role, [(path, block)]
-    for i, message in enumerate(messages):
-        blocks = [(f"messages[{i}].content[{j}]", block) for j, block in enumerate(message["content"])]
-        if turns and turns[-1][0] == message["role"]:
-            turns[-1][1].extend(blocks)
-        else:
-            turns.append((message["role"], blocks))
-    uses: dict[str, str] = {}  # tool_use id -> where, for the assistant turn just before
-    for role, blocks in turns:
-        if role == "user":
-            answered: set[str] = set()
-            seen_text = False
-            for where, block in blocks:
-                if block["type"] != "tool_result":
-                    seen_text = True
-                    continue
-                if block["tool_use_id"] not in uses:
-                    raise ParameterError(
-                        f"{where}.tool_use_id",
-                        f"{shown(block['tool_use_id'])} answers no tool_use of the assistant turn before it",
-                    )
-                if seen_text:
-                    raise ParameterError(where, "tool_result blocks come first in a user message, before any text")
-                answered.add(block["tool_use_id"])
-            missing = [use for use in uses if use not in answered]
-        else:
-            missing = list(uses)
-        if missing:
-            raise ParameterError(
-                uses[missing[0]],
-                f"tool_use id {shown(missing[0])} has no tool_result at the start of the next user message",
-            )
-        uses = {b["id"]: where for where, b in blocks if b["type"] == "tool_use"} if role == "assistant" else {}
+ConversationRequest = CountTokensRequest | MessagesRequest
+"""The body of either Messages route: what translating a conversation reads (sampling only from a MessagesRequest)."""

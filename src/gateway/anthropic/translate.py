@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from backends.interface import GenerateRequest, SamplingOptions
-from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
+from gateway.anthropic.protocol import ConversationRequest, MessagesRequest
 from gateway.anthropic.signatures import ThinkingSigner
 from gateway.errors import APIError
 
@@ -30,7 +30,7 @@ ERROR_RESULT_PREFIX = "Error: "
 no error flag)."""
 
 
-def chat_messages(body: CountTokensRequest, signer: ThinkingSigner) -> list[dict[str, Any]]:
+def chat_messages(body: ConversationRequest, signer: ThinkingSigner) -> list[dict[str, Any]]:
     """The chat messages of a Messages request; a thinking block whose signature is not this gateway's is a 400."""
     messages: list[dict[str, Any]] = []
     if body.system:
@@ -102,7 +102,7 @@ def _text(content: str | list[dict[str, Any]]) -> str:
     return content if isinstance(content, str) else "\n\n".join(block["text"] for block in content)
 
 
-def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
+def chat_tools(body: ConversationRequest) -> list[dict[str, Any]] | None:
     """The function tools the model is told about: every tool but a deferred one (``defer_loading``) that no
     ``tool_reference`` of a tool result has loaded yet."""
     if not body.tools:
@@ -119,7 +119,7 @@ def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def chat_tool_choice(body: CountTokensRequest) -> tuple[str | dict[str, Any] | None, bool | None]:
+def chat_tool_choice(body: ConversationRequest) -> tuple[str | dict[str, Any] | None, bool | None]:
     """(``tool_choice``, ``parallel_tool_calls``) of the chat request."""
     choice = body.tool_choice
     if choice is None:
@@ -131,7 +131,7 @@ def chat_tool_choice(body: CountTokensRequest) -> tuple[str | dict[str, Any] | N
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
 
 
-def thinking_mode(body: CountTokensRequest) -> tuple[bool | None, str | None]:
+def thinking_mode(body: ConversationRequest) -> tuple[bool | None, str | None]:
     """(``thinking``, ``reasoning_effort``) of the chat request: the effort only counts in thinking mode."""
     thinking = body.thinking
     if thinking is None:
@@ -142,7 +142,7 @@ def thinking_mode(body: CountTokensRequest) -> tuple[bool | None, str | None]:
     return True, effort
 
 
-def response_format(body: CountTokensRequest) -> dict[str, Any] | None:
+def response_format(body: ConversationRequest) -> dict[str, Any] | None:
     output = body.output_config
     if output is None or output.format is None:
         return None
@@ -162,7 +162,7 @@ def sampling_options(body: MessagesRequest) -> SamplingOptions:
 
 
 def generate_request(
-    body: CountTokensRequest, *, request_id: str, model: str, signer: ThinkingSigner, max_buffered_tokens: int | None
+    body: ConversationRequest, *, request_id: str, model: str, signer: ThinkingSigner, max_buffered_tokens: int | None
 ) -> GenerateRequest:
     """The chat request a Messages request (or a token count, which has no sampling) stands for."""
     thinking, effort = thinking_mode(body)

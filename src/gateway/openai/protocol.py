@@ -6,18 +6,25 @@ at their default values and rejected with a 400 naming them otherwise: silence w
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Annotated, Any, ClassVar, Literal
 
-import orjson
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backends.interface import SamplingOptions
+from gateway.openai.parameters import (
+    MAX_TOKENS_LIMIT,
+    EmptyArray,
+    InvalidText,
+    MissingParameter,
+    ParameterError,
+    UnsupportedParameter,
+    WholeInt,
+    shown,
+    unencodable_text,
+)
+from gateway.openai.tools import CHAT_TOOLS, check_function_tools, check_tool_choice, tool_choice_problem
 
 MAX_STOP_SEQUENCES = 16
-MAX_TOKENS_LIMIT = 2**31 - 1
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 RESPONSE_FORMATS = {"text": None, "json_object": None, "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
 """``response_format`` types and the key each one needs; ``regex`` and ``ebnf`` are extensions."""
 TEXT_PART_TYPES = ("text",)
@@ -26,101 +33,6 @@ TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
 UNSUPPORTED_PART_TYPES = ("image_url", "input_audio", "file", "refusal")
 """Content parts OpenAI defines that these models cannot take: a 400 that says so, not "invalid"."""
 THINKING_SWITCHES = ("thinking", "enable_thinking", "drop_thinking")
-SHOWN_CHARS = 64
-"""Client values quoted in error messages are cut to this many characters."""
-
-
-def shown(value: object) -> str:
-    """A client's value as JSON text for an error message (never a Python repr), cut to ``SHOWN_CHARS``."""
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError):
-        text = "an array" if isinstance(value, list) else "an object"
-    text = text.encode("utf-8", "replace").decode("utf-8")
-    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
-
-
-def _whole_number(value: Any) -> Any:
-    """A float without a fractional part (``16.0``) is the integer it spells: OpenAI's spec is JSON Schema, under
-    which 16.0 is an integer, and OpenAI accepts it. Anything else goes on to the strict integer check, so ``16.5``
-    is refused with OpenAI's message (an integer expected, a decimal number given), and ``"16"`` or ``true`` too."""
-    if type(value) is float and value.is_integer():
-        return int(value)
-    return value
-
-
-WholeInt = Annotated[int, BeforeValidator(_whole_number)]
-"""The type of every integer field: an int, or a float that is a whole number (no other coercion)."""
-
-
-class ParameterError(ValueError):
-    """Raised inside validators. ``where`` is the path below the validated field ("" for the field itself,
-    ``[0].type`` below a list, ``top_logprobs`` from a model-level rule), so the 400's ``param`` is the full path."""
-
-    code = "invalid_value"
-
-    def __init__(self, where: str, why: str) -> None:
-        super().__init__(f"{where}: {why}" if where else why)
-        self.where = where
-        self.why = why
-
-
-class UnsupportedParameter(ParameterError):
-    """A valid OpenAI value that this gateway cannot honour: the 400 names the feature."""
-
-    code = "unsupported_value"
-
-
-class EmptyArray(ParameterError):
-    code = "empty_array"
-
-
-class MissingParameter(ParameterError):
-    """A field OpenAI requires in this case (a user message's content, a tool message's tool_call_id)."""
-
-    code = "missing_required_parameter"
-
-
-def unencodable_text(value: object) -> str | None:
-    """The path of the first string (or the object holding the first key) that is not valid Unicode text, such as
-    a lone UTF-16 surrogate from a ``\\ud800`` escape; None when all text can be encoded. Iterative, so that a
-    deeply nested body cannot exhaust the stack; runs before any tokenizer sees the text."""
-    try:
-        orjson.dumps(value)  # fails on a lone surrogate (among other things): only then is the body walked
-        return None
-    except orjson.JSONEncodeError:
-        pass
-    pending: list[tuple[object, str]] = [(value, "")]
-    while pending:
-        node, path = pending.pop()
-        if isinstance(node, str):
-            if not node.isascii() and not _encodable(node):
-                return path
-        elif isinstance(node, dict):
-            children = []
-            for key, item in node.items():
-                if isinstance(key, str) and not key.isascii() and not _encodable(key):
-                    return path
-                children.append((item, f"{path}.{key}" if path else str(key)))
-            pending.extend(reversed(children))
-        elif isinstance(node, list):
-            pending.extend(reversed([(item, f"{path}[{i}]") for i, item in enumerate(node)]))
-    return None
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-class InvalidText(ParameterError):
-    code = "invalid_value"
-
-    def __init__(self, where: str) -> None:
-        super().__init__(where, "the text is not valid Unicode (it holds a lone UTF-16 surrogate)")
 
 
 class _Body(BaseModel):
@@ -342,44 +254,13 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("tools")
     @classmethod
     def _function_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        names: set[str] = set()
-        for i, tool in enumerate(value or ()):
-            kind = tool.get("type")
-            if kind == "custom":
-                raise UnsupportedParameter(f"[{i}].type", "custom tools are not supported; use function tools")
-            if kind != "function":
-                raise ParameterError(f"[{i}].type", f"expected 'function', got {shown(kind)}")
-            function = tool.get("function")
-            if not isinstance(function, dict):
-                raise ParameterError(f"[{i}].function", "expected an object")
-            name = function.get("name")
-            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-                raise ParameterError(f"[{i}].function.name", "must be 1-64 letters, digits, underscores or dashes")
-            if name in names:
-                raise ParameterError(f"[{i}].function.name", f"the function {shown(name)} is given twice")
-            names.add(name)
-            parameters = function.get("parameters")
-            if parameters is not None and not isinstance(parameters, dict):
-                raise ParameterError(f"[{i}].function.parameters", "must be a JSON Schema object")
+        check_function_tools(value, CHAT_TOOLS)
         return value
 
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_shape(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if isinstance(value, str):
-            if value not in ("none", "auto", "required"):
-                raise ParameterError("", "expected 'none', 'auto', 'required' or a function object")
-        elif value is not None:
-            kind = value.get("type")
-            if kind in ("allowed_tools", "custom"):
-                raise UnsupportedParameter(".type", f"tool_choice of type {shown(kind)} is not supported")
-            if kind != "function":
-                raise ParameterError(".type", f"expected 'function', got {shown(kind)}")
-            function = value.get("function")
-            if not isinstance(function, dict):
-                raise ParameterError(".function", 'expected {"name": ...}')
-            if not isinstance(function.get("name"), str):
-                raise ParameterError(".function.name", "expected a string")
+        check_tool_choice(value, CHAT_TOOLS)
         return value
 
     @field_validator("response_format")
@@ -413,16 +294,7 @@ class ChatCompletionRequest(_Sampling):
 
     def tool_choice_problem(self) -> str | None:
         """Why ``tool_choice`` does not fit ``tools`` (OpenAI answers these with a 400), or None."""
-        choice = self.tool_choice
-        if choice in (None, "none", "auto"):
-            return None
-        if not self.tools:
-            return "tool_choice 'required' or a named function needs tools"
-        if isinstance(choice, dict):
-            name = choice["function"]["name"]
-            if all(tool["function"]["name"] != name for tool in self.tools):
-                return f"tool_choice names the function {shown(name)}, which is not in tools"
-        return None
+        return tool_choice_problem(self.tool_choice, self.tools, CHAT_TOOLS)
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:

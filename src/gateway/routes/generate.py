@@ -6,18 +6,19 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from backends.interface import Backend, Event, GenerateRequest, Usage
+from backends.interface import Backend, Event, EventStream, GenerateRequest, Usage
 from gateway.bodies import OffloadedJSONRoute
+from gateway.capabilities import system_fingerprint
 from gateway.errors import APIError
 from gateway.limits import KeyLimits, Reservation, admitted
 from gateway.metrics import RequestObserver
+from gateway.openai.output import ChatFormat, CompletionFormat
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.openai.responses import ChatFormat, CompletionFormat
 from gateway.routing.stream import RoutedStream
 from gateway.state import GatewayState, gateway_state
 from gateway.streaming import Completion, Timeouts, merge_prompts, stream_response, whole_response
@@ -43,10 +44,6 @@ def _timeouts(state: GatewayState) -> Timeouts:
     return Timeouts(server.request_timeout, server.idle_timeout, server.stall_timeout)
 
 
-def _fingerprint(backend: Backend) -> str:
-    return getattr(backend, "fingerprint", None) or f"fp_{backend.kind}"
-
-
 def _served_by(
     fmt: ChatFormat | CompletionFormat, observer: RequestObserver, headers: dict[str, str]
 ) -> Callable[[Backend], None]:
@@ -54,7 +51,7 @@ def _served_by(
     the response and its metrics name the backend that served it."""
 
     def switch(backend: Backend) -> None:
-        fmt.fingerprint = _fingerprint(backend)
+        fmt.fingerprint = system_fingerprint(backend)
         observer.rebind(backend.name)
         headers["X-Backend"] = backend.name
 
@@ -76,7 +73,7 @@ async def _respond(
 ) -> Response:
     """Observes, labels and sends the routed event stream as SSE or as one response."""
     backend = events.backend
-    fmt = make_format(_fingerprint(backend))
+    fmt = make_format(system_fingerprint(backend))
     limits = _limits(state)
     observer = state.metrics.observer(model, backend.name, request.state.log)
     observer.on_finish = functools.partial(limits.settle_soon, reservation, log=observer.log)
@@ -194,7 +191,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             for prompt in prompts
         ]
 
-        def open_events(backend: Backend) -> AsyncIterator[Event]:
+        def open_events(backend: Backend) -> EventStream[Event]:
             streams = [backend.generate(r) for r in requests]
             return streams[0] if len(streams) == 1 else merge_prompts(streams, body.n)
 

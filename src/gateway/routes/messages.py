@@ -18,10 +18,11 @@ from starlette.responses import Response
 from backends.errors import ContextLengthExceededError, InvalidRequestError, UpstreamError
 from backends.interface import Backend, GenerateRequest, SamplingOptions, TokenizingBackend, Usage
 from gateway.anthropic.output import MessagesFormat, new_id
-from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
+from gateway.anthropic.protocol import ConversationRequest, CountTokensRequest, MessagesRequest
 from gateway.anthropic.signatures import ThinkingSigner
 from gateway.anthropic.translate import generate_request, messages_terms
 from gateway.bodies import OffloadedJSONRoute
+from gateway.capabilities import capability
 from gateway.errors import APIError
 from gateway.limits import admitted
 from gateway.routes.generate import _limits, _respond
@@ -40,7 +41,7 @@ def _signer(state: GatewayState) -> ThinkingSigner:
     return state.thinking_signer
 
 
-def _check_size(body: CountTokensRequest, state: GatewayState) -> None:
+def _check_size(body: ConversationRequest, state: GatewayState) -> None:
     server = state.config.server
     if len(body.messages) > server.max_messages:
         raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="messages")
@@ -110,8 +111,8 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
         )
         backend = state.router.backends_of(model)[0]
         try:
-            if isinstance(backend, TokenizingBackend):
-                count = len(await backend.tokenize(generate))
+            if (tokenizing := capability(backend, TokenizingBackend)) is not None:
+                count = len(await tokenizing.tokenize(generate))
             else:
                 count = await _prompt_tokens_by_generating(backend, generate)
         except InvalidRequestError as exc:
@@ -129,5 +130,5 @@ async def _prompt_tokens_by_generating(backend: Backend, request: GenerateReques
             if isinstance(event, Usage):
                 return event.prompt_tokens
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
     raise UpstreamError(f"backend {backend.name!r} reported no usage for the prompt")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backends.errors import BackendError, ModelNotFoundError
 from backends.interface import GenerateRequest, TokenizingBackend
+from gateway.capabilities import capability
 from gateway.errors import APIError, api_error_from_backend
 from gateway.openai.protocol import ChatMessage
 from gateway.state import GatewayState, gateway_state
@@ -81,8 +82,9 @@ def _backend(state: GatewayState, model: str | None) -> tuple[str, TokenizingBac
         raise ModelNotFoundError(f"The model '{name}' does not exist or you do not have access to it.")
     backends = state.router.backends_of(name)
     for backend in backends:
-        if isinstance(backend, TokenizingBackend):
-            return name, backend
+        tokenizing = capability(backend, TokenizingBackend)
+        if tokenizing is not None:
+            return name, tokenizing
     kinds = ", ".join(dict.fromkeys(b.kind for b in backends))
     raise APIError(400, f"the backends of model '{name}' ({kinds}) do not expose their tokenizer.", param="model")
 

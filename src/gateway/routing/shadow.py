@@ -14,10 +14,10 @@ import functools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from backends.interface import Backend, Delta, Event, Finish, GenerateRequest, Usage
+from backends.interface import Backend, Delta, Event, EventStream, Finish, GenerateRequest, Usage
 from gateway.routing.targets import BackendLoad, LatencyWindow
 from gateway.routing.telemetry import RoutingMetrics
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-EventFactory = Callable[[Backend], AsyncIterator[Event]]
+EventFactory = Callable[[Backend], EventStream[Event]]
 OK, FAILED, CANCELLED = "ok", "failed", "cancelled"
 
 
@@ -45,16 +45,15 @@ class Capture:
         self.outcome: str | None = None
 
     def observe(self, event: Event) -> None:
-        kind = type(event)
-        if kind is Delta:
+        if isinstance(event, Delta):
             if self.first_at is None:
                 self.first_at = time.perf_counter()
             if self.texts is not None:
-                self.texts.setdefault(event.index, []).append(event.text)  # type: ignore[union-attr]
-        elif kind is Finish:
-            self.finishes[event.index] = event.reason  # type: ignore[union-attr]
-        elif kind is Usage:
-            self.tokens = event.completion_tokens  # type: ignore[union-attr]
+                self.texts.setdefault(event.index, []).append(event.text)
+        elif isinstance(event, Finish):
+            self.finishes[event.index] = event.reason
+        elif isinstance(event, Usage):
+            self.tokens = event.completion_tokens
 
     def end(self, outcome: str) -> None:
         self.ended_at = time.perf_counter()
@@ -182,7 +181,7 @@ class ShadowMirror:
     async def _run(self, pair: ShadowPair, factory: EventFactory, request: GenerateRequest | None) -> None:
         capture = pair.shadow
         capture.started = time.perf_counter()
-        events: AsyncIterator[Event] | None = None
+        events: EventStream[Event] | None = None
         # The task was started by the client's request, so its trace's span is current here (a copied context).
         call = self._tracing.backend_call(self.backend, request, "shadow") if self._tracing is not None else None
         failure: BaseException | None = None
@@ -203,7 +202,7 @@ class ShadowMirror:
             capture.end(FAILED)
         finally:
             if events is not None:
-                await events.aclose()  # type: ignore[attr-defined]
+                await events.aclose()
             if call is not None:
                 call.end(failure)
         if pair.primary.outcome is not None:

@@ -13,7 +13,7 @@ has a span per attempt (``gateway.tracing.BackendCall``), which also sees every 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from backends.errors import (
@@ -23,7 +23,7 @@ from backends.errors import (
     ModelNotFoundError,
     OverloadedError,
 )
-from backends.interface import Backend, Delta, Event, GenerateRequest
+from backends.interface import Backend, Delta, Event, EventStream, GenerateRequest
 from gateway.routing.shadow import CANCELLED, FAILED, OK, ShadowPair
 from gateway.routing.targets import Target
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from gateway.router import ModelRoutes
     from gateway.tracing import BackendCall
 
-EventFactory = Callable[[Backend], AsyncIterator[Event]]
+EventFactory = Callable[[Backend], EventStream[Event]]
 """Opens the request's event stream on a given backend (called once per attempt, and once for the shadow)."""
 
 
@@ -83,7 +83,7 @@ class RoutedStream:
         self._pair = pair
         self._request = request
         self._call: BackendCall | None = None
-        self._inner: AsyncIterator[Event] | None = None
+        self._inner: EventStream[Event] | None = None
         self._done = False
         self._first_token_at: float | None = None
         self._watching = True
@@ -114,7 +114,7 @@ class RoutedStream:
             event = await inner.__anext__()
         except StopAsyncIteration:
             self._end(None)
-            await inner.aclose()  # type: ignore[attr-defined]  # frees what the target held (an admission slot)
+            await inner.aclose()  # frees what the target held (an admission slot)
             raise
         except BaseException as exc:
             self._end(exc)
@@ -132,7 +132,7 @@ class RoutedStream:
                 self._end(GeneratorExit())
         inner = self._inner
         if inner is not None:
-            await inner.aclose()  # type: ignore[attr-defined]
+            await inner.aclose()
 
     # ---- before the first event ----------------------------------------------------------------------------
 
@@ -155,7 +155,7 @@ class RoutedStream:
             self._started = time.perf_counter()
             if self._pair is not None:
                 self._pair.primary.started = self._started
-            inner: AsyncIterator[Event] | None = None
+            inner: EventStream[Event] | None = None
             tracing = self._routes.tracing
             call = self._call = tracing.backend_call(target.backend, self._request, self._via) if tracing else None
             try:
@@ -165,12 +165,13 @@ class RoutedStream:
                 self._inner = inner
                 target.breaker.answered()
                 self._end(None)
-                await inner.aclose()  # type: ignore[attr-defined,union-attr]
+                assert inner is not None  # the factory returned: its stream ended before a first event
+                await inner.aclose()
                 raise
             except BackendError as exc:
                 self._failed_before_first_event(target, exc)
                 if inner is not None:
-                    await inner.aclose()  # type: ignore[attr-defined]
+                    await inner.aclose()
                 following = self._routes.next_fallback(self._tried) if may_fall_back(exc) else None
                 if call is not None:
                     call.end(exc, following.name if following is not None else None)
@@ -186,7 +187,7 @@ class RoutedStream:
                     call.end(exc)
                 self._abandon_before_start()
                 if inner is not None:
-                    await inner.aclose()  # type: ignore[attr-defined]
+                    await inner.aclose()
                 raise
             self._inner = inner
             target.breaker.answered()

@@ -12,6 +12,7 @@ import openai
 import orjson
 import pytest
 
+from gateway.capabilities import unwrapped
 from gateway.config import GatewayConfig
 
 from ...conformance import OpenAISchemas
@@ -129,7 +130,7 @@ def test_stop_string_ends_the_stream_and_aborts_the_engine_request(
 def test_client_disconnect_aborts_the_engine_request(served: RunningGateway) -> None:
     from deepinfer._double import STEP_GATE
 
-    llm = served.state.backends["deepinfer"].driver.engine.llm_engine  # type: ignore[attr-defined]
+    llm = unwrapped(served.state.backends["deepinfer"]).driver.engine.llm_engine  # type: ignore[attr-defined]
     aborted_before = llm.scheduler.get_num_aborted_seqs()
     body = {"model": MODEL, "prompt": "go on", "max_tokens": 200, "stream": True, "ignore_eos": True}
     STEP_GATE.clear()  # the engine holds in step(): the request is inside the engine, nothing streamed yet

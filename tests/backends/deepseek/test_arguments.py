@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from backends.deepseek.arguments import arguments_json, schema_types
+from backends.deepseek.arguments import arguments_json
+from backends.deepseek.json_schema import schema_types
 
 
 def param(name: str, value: str, string: bool = True) -> str:

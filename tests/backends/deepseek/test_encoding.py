@@ -7,20 +7,10 @@ import json
 
 import pytest
 
-from backends.deepseek.encoding import (
-    ASSISTANT,
-    BOS,
-    EOS,
-    IMAGE_PLACEHOLDER,
-    THINK_END,
-    THINK_START,
-    USER,
-    decode_tool_arguments,
-    effort_value,
-    encode_messages,
-    prompt_ends_in_thinking,
-    render_tools_block,
-)
+from backends.deepseek.dsml import decode_tool_arguments, render_tools_block
+from backends.deepseek.effort import effort_value
+from backends.deepseek.encoding import encode_messages, prompt_ends_in_thinking
+from backends.deepseek.markers import ASSISTANT, BOS, EOS, IMAGE_PLACEHOLDER, THINK_END, THINK_START, USER
 
 # Literal strings, deliberately not built from the module's constants.
 B = "<｜begin▁of▁sentence｜>"

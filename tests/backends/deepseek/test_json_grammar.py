@@ -16,14 +16,16 @@ from typing import Any
 
 import llguidance
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from backends.deepseek.json_grammar import BASE_RULES, SchemaGrammar, integer_range, json_value_rules
+from backends.deepseek.json_grammar import BASE_RULES, SchemaGrammar, json_value_rules
+from backends.deepseek.number_grammar import integer_range
 from backends.deepseek.regex_grammar import pattern_expression
 from backends.reference import ReferenceArtifacts
-from backends.reference.structured import JSON_OPTIONS, strict_json_schema
+from backends.reference.strict_schema import strict_json_schema
+from backends.reference.structured import JSON_OPTIONS
 
 _LL_TOKENIZERS: dict[int, llguidance.LLTokenizer] = {}
 
@@ -185,6 +187,7 @@ def test_schemas_nothing_satisfies_are_refused(schema: Any) -> None:
     span=st.none() | st.integers(0, 2500),
     probes=st.lists(st.integers(-3000, 3000), min_size=5, max_size=12),
 )
+@example(low=105, span=290, probes=[250, 150, 199, 300, 350])  # leading digits 1..3: the middle digit class
 def test_integer_range_accepts_exactly_the_integers_in_range(
     low: int | None, span: int | None, probes: list[int], artifacts: ReferenceArtifacts
 ) -> None:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.deepseek.arguments import arguments_json
-from backends.deepseek.encoding import ToolCall, render_tool_calls
+from backends.deepseek.dsml import ToolCall, render_tool_calls
 from backends.deepseek.parser import DeepSeekV41OutputParser, ParsedText, tool_schemas
 
 WEATHER_PARAMETERS: dict[str, Any] = {

@@ -10,8 +10,10 @@ import llguidance
 import pytest
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from backends.deepseek.encoding import ToolCall, render_tool_calls
-from backends.deepseek.structured import check_json_schema, response_format_so_args, tool_call_grammar
+from backends.deepseek.dsml import ToolCall, render_tool_calls
+from backends.deepseek.response_format import response_format_so_args
+from backends.deepseek.schema_checks import check_json_schema
+from backends.deepseek.tool_call_grammar import tool_call_grammar
 from backends.reference import ReferenceArtifacts
 
 WEATHER = {
@@ -79,6 +81,14 @@ def test_forced_call_grammar_rejects_what_the_tools_do_not_declare(artifacts: Re
     assert not grammar.accepts(calls(("get_weather", {"days": 1, "city": "Paris"})))  # declared order
     assert not grammar.accepts(calls(("get_weather", {"city": "a</b"})))
     assert not grammar.accepts("plain text answer")
+
+
+def test_enum_text_with_a_tag_opening_is_never_written_as_raw_text(artifacts: ReferenceArtifacts) -> None:
+    """Raw text holding ``</`` would run into its closing tag: such an enum value is not offered as raw text."""
+    tool = {"name": "pick", "parameters": {"type": "object", "properties": {"v": {"enum": ["a</b", "c"]}}}}
+    grammar = Grammar(tool_call_grammar([tool], parallel=False), artifacts)
+    assert grammar.accepts(calls(("pick", {"v": "c"})))
+    assert not grammar.accepts(calls(("pick", {"v": "a</b"})))
 
 
 def test_single_call_grammar_refuses_a_second_call(artifacts: ReferenceArtifacts) -> None:
@@ -153,3 +163,14 @@ def test_schema_check_accepts_well_formed_schemas() -> None:
         }
     )
     check_json_schema(True)
+
+
+def test_refs_with_escaped_pointer_characters_resolve() -> None:
+    """JSON pointers spell ``/`` as ``~1`` and ``~`` as ``~0`` (RFC 6901): such refs point at their definitions."""
+    schema = {
+        "$defs": {"a/b": {"type": "string"}, "c~d": {"type": "integer"}},
+        "properties": {"x": {"$ref": "#/$defs/a~1b"}, "y": {"$ref": "#/$defs/c~0d"}},
+    }
+    check_json_schema(schema, "s")
+    with pytest.raises(ValueError, match="points at nothing"):
+        check_json_schema({**schema, "properties": {"x": {"$ref": "#/$defs/a/b"}}}, "s")

@@ -36,10 +36,10 @@ from hypothesis import strategies as st
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
-from backends.deepseek.encoding import ToolCall, render_tool_calls
+from backends.deepseek.dsml import ToolCall, render_tool_calls
 from backends.interface import GenerateRequest
 from backends.reference import ReferenceArtifacts
-from backends.reference.structured import strict_json_schema
+from backends.reference.strict_schema import strict_json_schema
 
 from ...clients.structured_models import BookTrip, Forecast
 from ..deepinfer.harness.build import built_harness, ensure_harness

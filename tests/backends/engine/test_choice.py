@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.engine.backend import _Choice, _resolve_max_tokens
+from backends.engine.backend import _resolve_max_tokens
+from backends.engine.choice import Choice
 from backends.engine.detokenizer import TokenTable
 from backends.engine.protocol import EOS_TOKEN_ID, EngineOutput
 from backends.errors import ContextLengthExceededError
@@ -23,7 +24,7 @@ def output(token: int, n: int, finished: bool = False, reason: str = "") -> Engi
 
 def test_eos_that_finishes_with_stop_is_not_output(table: TokenTable) -> None:
     word = table.tokenizer.encode("hello", add_special_tokens=False).ids[0]
-    choice = _Choice(0, table, table.new_detokenizer(), [], logprobs=True)
+    choice = Choice(0, table, table.new_detokenizer(), [], logprobs=True)
     delta, finish = choice.consume([output(word, 1), output(EOS_TOKEN_ID, 2, True, "stop")])
     assert finish == "stop"
     assert delta is not None and len(delta.logprobs or []) == 1
@@ -31,7 +32,7 @@ def test_eos_that_finishes_with_stop_is_not_output(table: TokenTable) -> None:
 
 def test_eos_sampled_under_ignore_eos_is_an_ordinary_token_with_a_logprob(table: TokenTable) -> None:
     word = table.tokenizer.encode("hello", add_special_tokens=False).ids[0]
-    choice = _Choice(0, table, table.new_detokenizer(), [], logprobs=True)
+    choice = Choice(0, table, table.new_detokenizer(), [], logprobs=True)
     delta, finish = choice.consume([output(word, 1), output(EOS_TOKEN_ID, 2, True, "length")])
     assert finish == "length"
     assert delta is not None and len(delta.logprobs or []) == 2, "every counted token has a logprob entry"
@@ -41,7 +42,7 @@ def test_eos_sampled_under_ignore_eos_is_an_ordinary_token_with_a_logprob(table:
 
 def test_a_stop_string_ends_the_choice_and_is_named(table: TokenTable) -> None:
     ids = table.tokenizer.encode("hello world again", add_special_tokens=False).ids
-    choice = _Choice(0, table, table.new_detokenizer(), ["nothing", " world"], logprobs=False)
+    choice = Choice(0, table, table.new_detokenizer(), ["nothing", " world"], logprobs=False)
     delta, finish = choice.consume([output(token, n + 1) for n, token in enumerate(ids)])
     assert finish == "stop" and choice.matched_stop == " world"
     assert delta is not None and delta.text == "hello"

@@ -4,7 +4,7 @@ step of the whole-response collector, with all of their text.
 A node's chunks pile up in one read whenever the gateway reads slower than the node writes (a busy event loop),
 but LMDeploy's real api_server cannot be made to do that on cue. The nodes here are therefore test doubles that
 write a whole stream in one write (a write on loopback is one read): the benchmark's fake upstream
-(``gateway.bench.fake_upstream``, LMDeploy's chunk format) behind a real gateway, and ``OneWriteNode`` for a
+(``loadgen.fake_upstream``, LMDeploy's chunk format) behind a real gateway, and ``OneWriteNode`` for a
 stream the fake cannot send (an engine error frame after two tokens).
 """
 
@@ -43,7 +43,7 @@ def _healthy(url: str) -> bool:
 def one_write_node() -> Iterator[str]:
     """Test double of an LMDeploy node that writes each stream in one write (see the module docstring)."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "gateway.bench.fake_upstream", "--port", str(port)])
+    process = subprocess.Popen([sys.executable, "-m", "loadgen.fake_upstream", "--port", str(port)])
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: _healthy(url), timeout=30), "the fake upstream did not start"

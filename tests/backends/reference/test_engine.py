@@ -409,3 +409,20 @@ def test_prompt_logprobs_of_a_sampled_continuation_are_the_logprobs_it_was_sampl
     expected = [np.log(smoothed(np.exp(o.token_logprob), background[o.token_id])) for o in sampled]
     assert values[-len(sampled) :] == pytest.approx(expected, abs=1e-9)
     assert all(o.prompt_logprobs is None for o in scored[1:])  # only on the prompt step's output
+
+
+def test_outputs_keep_their_own_prompt_length_after_other_requests_leave_the_batch(
+    make_engine: MakeEngine, artifacts: ReferenceArtifacts
+) -> None:
+    engine = make_engine()
+    prompts = {
+        "short": chat_prompt(artifacts, "Hi."),
+        "long": chat_prompt(artifacts, "Tell me everything about files, folders and disks, please."),
+        "middle": chat_prompt(artifacts, "Tell me about folders."),
+    }
+    for rid, max_tokens in (("short", 1), ("long", 6), ("middle", 2)):
+        engine.add_request("u", rid, {"max_tokens": max_tokens, "ignore_eos": True, "seq_seed": 1}, prompts[rid])
+    outputs = run(engine)
+    assert {rid: len(outs) for rid, outs in outputs.items()} == {"short": 1, "long": 6, "middle": 2}
+    for rid, outs in outputs.items():
+        assert {o.prompt_len for o in outs} == {int(prompts[rid].size)}, rid

@@ -15,14 +15,9 @@ import pytest
 from backends.engine.protocol import EOS_TOKEN_ID, EngineOutput, FinishReason
 from backends.reference import ReferenceArtifacts, ReferenceEngine, SequenceStatus
 from backends.reference.sampler import LOGPROB_FLOOR
-from backends.reference.structured import (
-    FORCING,
-    FREE,
-    GRAMMAR,
-    StructuredOutputs,
-    StructuredState,
-    strict_json_schema,
-)
+from backends.reference.strict_schema import strict_json_schema
+from backends.reference.structured import StructuredOutputs
+from backends.reference.structured_state import FORCING, FREE, GRAMMAR, StructuredState
 
 MakeEngine = Callable[..., ReferenceEngine]
 

@@ -14,6 +14,7 @@ import pytest
 from backends.registry import build_backend
 from backends.workers.driver import DataParallelDriver
 from gateway.admission import admitted
+from gateway.capabilities import unwrapped
 from gateway.config import GatewayConfig
 
 from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
@@ -107,7 +108,7 @@ def http(dp_gateway: RunningGateway) -> Iterator[httpx.Client]:
 
 
 def driver_of(gateway: RunningGateway, backend: str) -> DataParallelDriver:
-    return gateway.state.backends[backend].driver  # type: ignore[attr-defined,no-any-return]
+    return unwrapped(gateway.state.backends[backend]).driver  # type: ignore[attr-defined,no-any-return]
 
 
 def clock_of(gateway: RunningGateway, backend: str) -> HoldableClock:

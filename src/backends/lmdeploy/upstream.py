@@ -1,0 +1,237 @@
+"""One choice's request to one LMDeploy node: send it, read its SSE into events (chunks of one network read go
+on as one event), time it out (first byte, silence, deadline), and release its connection to the pool or close it
+(LMDeploy then cancels the engine request)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import NamedTuple
+
+import aiohttp
+import orjson
+
+from backends.config import LMDeployBackendConfig
+from backends.errors import BackendTimeoutError
+from backends.interface import Delta, Finish, GenerateRequest
+from backends.lmdeploy.errors import UpstreamFailure, failure_from_status, node_failure
+from backends.lmdeploy.nodes import Node
+from backends.lmdeploy.stream import DONE, ChoiceStream, SSEReader, coalesce
+from backends.lmdeploy.translate import UpstreamPlan
+
+logger = logging.getLogger(__name__)
+
+ERROR_BODY_LIMIT = 64 * 1024
+
+
+class ChoiceDone(NamedTuple):
+    """The end of a choice on its node: its's token counts (prompt_tokens is None when LMDeploy could not report it)."""
+
+    index: int  # type: ignore[assignment]  # the choice's index, as on Delta and Finish; shadows tuple.index
+    prompt_tokens: int | None
+    completion_tokens: int
+    reasoning_tokens: int | None
+
+
+class StreamWatchdog:
+    """Closes a streaming response that stays silent too long or outlives its deadline.
+
+    One timer per request, re-armed lazily: a chunk only records the time it arrived, so the hot path costs one
+    clock read. Closing the response (instead of cancelling the task) never interrupts the gateway's own code.
+    """
+
+    __slots__ = ("_deadline", "_handle", "_idle", "_loop", "_response", "fired", "since")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, response: aiohttp.ClientResponse, idle: float, deadline: float):
+        self._loop = loop
+        self._response = response
+        self._idle = idle
+        self._deadline = deadline
+        self.since = loop.time()
+        self.fired: str | None = None
+        self._handle = loop.call_at(min(self.since + idle, deadline), self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if now >= self._deadline:
+            self.fired = "deadline"
+        elif now >= self.since + self._idle:
+            self.fired = "idle"
+        else:
+            self._handle = self._loop.call_at(min(self.since + self._idle, self._deadline), self._check)
+            return
+        self._response.close()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+class UpstreamClient:
+    """Sends one backend's choices to its nodes on the backend's pooled session."""
+
+    def __init__(self, config: LMDeployBackendConfig, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+        self._config = config
+        self._session = session
+        self._headers = headers
+        self._request_timeout = aiohttp.ClientTimeout(
+            total=None, connect=config.connect_timeout, sock_connect=config.connect_timeout, sock_read=None
+        )
+        self._first_byte_timeout = config.first_byte_timeout or config.read_timeout
+
+    async def stream_choice(
+        self, node: Node, request: GenerateRequest, plan: UpstreamPlan, index: int, model: str | None
+    ) -> AsyncGenerator[Delta | Finish | ChoiceDone, None]:
+        """Choice ``index`` of ``request`` from ``node``: its events, then its ``ChoiceDone``; raises
+        ``UpstreamFailure`` (retryable or not) when the node fails it."""
+        session = self._session
+        loop = asyncio.get_running_loop()
+        upstream_model = model or node.model or ""
+        body = orjson.dumps(plan.body_for(index, upstream_model))
+        stream = ChoiceStream(
+            index,
+            chat=plan.chat,
+            stops=request.sampling.stop,
+            want_top=plan.want_top_logprobs,
+            byte_level=self._config.logprob_tokens == "byte_level",
+            node=node.url,
+        )
+        started = loop.time()
+        deadline = started + self._config.total_timeout if self._config.total_timeout else float("inf")
+        if request.deadline is not None:
+            deadline = min(deadline, request.deadline)
+        headers = self._headers
+        if request.trace is not None:  # the upstream request joins the client's trace
+            headers = {**headers, **request.trace.headers()}
+            request.trace.annotate("gateway.lmdeploy.node", node.url)
+        node.in_flight += 1
+        node.requests += 1
+        response: aiohttp.ClientResponse | None = None
+        watchdog: StreamWatchdog | None = None
+        complete = False
+        try:
+            try:
+                async with asyncio.timeout_at(min(started + self._first_byte_timeout, deadline)):
+                    response = await session.post(
+                        node.url + plan.path, data=body, headers=headers, timeout=self._request_timeout
+                    )
+                    if response.status != 200:
+                        raise failure_from_status(response.status, await _bounded_body(response), node.url)
+                    reader = SSEReader(response.content, node=node.url)
+                    payload = await reader.next()
+            except TimeoutError:
+                raise timeout_failure(node, "first byte", loop.time() >= deadline, retryable=True) from None
+            except aiohttp.ClientConnectorError as exc:
+                raise node_failure(f"cannot connect to LMDeploy node {node.url}: {exc}", kind="connect") from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                raise node_failure(f"LMDeploy node {node.url} closed the connection: {exc!r}", kind="stale") from exc
+            except aiohttp.ClientError as exc:
+                raise node_failure(f"LMDeploy node {node.url} failed: {exc!r}", kind="disconnect") from exc
+            node.first_byte_seconds += loop.time() - started
+            node.first_byte_count += 1
+            watchdog = StreamWatchdog(loop, response, self._config.read_timeout, deadline)
+            while payload is not None and payload != DONE:
+                events = stream.feed(payload)
+                payload = reader.ready()  # chunks of the same network read go on as one event
+                failed: Exception | None = None
+                while payload is not None and payload != DONE and not stream.stopped_early:
+                    try:
+                        events = coalesce(events, stream.feed(payload))
+                    except Exception as exc:  # a bad chunk: what came before it still goes out first
+                        failed = exc
+                        break
+                    payload = reader.ready()
+                for event in events:
+                    yield event
+                if failed is not None:
+                    raise failed
+                if stream.stopped_early:
+                    break
+                watchdog.since = loop.time()
+                if payload is not None:
+                    continue
+                try:
+                    payload = await reader.next()
+                except aiohttp.ClientError as exc:
+                    if watchdog.fired:
+                        raise timeout_failure(node, "next chunk", watchdog.fired == "deadline") from exc
+                    message = f"LMDeploy node {node.url} broke the stream: {exc!r}"
+                    raise node_failure(message, kind="disconnect") from exc
+            if not stream.stopped_early:
+                if payload is None:  # the body ended without [DONE]
+                    if watchdog.fired:
+                        raise timeout_failure(node, "next chunk", watchdog.fired == "deadline")
+                    if not stream.finished:
+                        raise node_failure(f"LMDeploy node {node.url} ended the stream early", kind="disconnect")
+                elif not stream.finished:
+                    message = f"LMDeploy node {node.url} ended the stream without a finish reason"
+                    raise node_failure(message, kind="protocol")
+                else:
+                    await reader.drain()  # the chunked terminator: then the connection goes back to the pool
+                    complete = True
+            prompt_tokens: int | None
+            if stream.usage is not None and not (stream.stopped_early and plan.chat):
+                prompt_tokens, completion_tokens = stream.usage
+            else:
+                completion_tokens = stream.tokens
+                prompt_tokens = stream.usage[0] if stream.usage else None
+                if prompt_tokens is None and plan.chat:
+                    if response is not None:
+                        response.close()  # stop the engine before asking the node to count
+                    prompt_tokens = await self.count_prompt_tokens(node, request, upstream_model)
+            reasoning_tokens = None if stream.stopped_early else stream.reasoning_tokens
+            yield ChoiceDone(index, prompt_tokens, completion_tokens, reasoning_tokens)
+        finally:
+            node.in_flight -= 1
+            node.request_seconds += loop.time() - started
+            node.request_count += 1
+            if watchdog is not None:
+                watchdog.cancel()
+            if response is not None:
+                if complete:
+                    response.release()
+                else:
+                    response.close()  # LMDeploy sees the disconnect and cancels the engine request
+
+    async def count_prompt_tokens(self, node: Node, request: GenerateRequest, model: str) -> int | None:
+        """Prompt tokens of a chat the gateway ended at a stop string (LMDeploy reports usage only at the end).
+
+        Asks the node's tokenize-only ``/v1/messages/count_tokens`` with the same template and tokenizer; only for
+        plain-text conversations, where that count is exact. Otherwise None: no usage rather than a wrong one.
+        """
+        if request.tools or request.chat_template_kwargs or request.thinking is not None or request.reasoning_effort:
+            return None
+        messages = []
+        for message in request.messages or ():
+            content = message.get("content")
+            if message.get("role") not in ("system", "user", "assistant") or not isinstance(content, str):
+                return None
+            if message.get("tool_calls"):
+                return None
+            messages.append({"role": message["role"], "content": content})
+        try:
+            async with self._session.post(
+                f"{node.url}/v1/messages/count_tokens",
+                data=orjson.dumps({"model": model, "messages": messages}),
+                headers={**self._headers, "anthropic-version": "2023-06-01"},
+                timeout=aiohttp.ClientTimeout(total=self._config.connect_timeout + self._config.health_timeout),
+            ) as response:
+                if response.status != 200:
+                    return None
+                counted = orjson.loads(await response.read()).get("input_tokens")
+        except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
+            logger.warning("lmdeploy node %s: counting prompt tokens failed: %r", node.url, exc)
+            return None
+        return counted if isinstance(counted, int) else None
+
+
+def timeout_failure(node: Node, what: str, deadline: bool, *, retryable: bool = False) -> UpstreamFailure:
+    if deadline:
+        error = BackendTimeoutError(f"the request ran past its deadline waiting for LMDeploy node {node.url}")
+        return UpstreamFailure(error, retryable=False, node_fault=False, kind="deadline")
+    error = BackendTimeoutError(f"LMDeploy node {node.url} sent no {what} in time")
+    return UpstreamFailure(error, retryable=retryable, node_fault=True, kind="timeout")
+
+
+async def _bounded_body(response: aiohttp.ClientResponse) -> bytes:
+    return await response.content.read(ERROR_BODY_LIMIT)

@@ -1,0 +1,67 @@
+"""A backend's optional capabilities (tokenizer, fingerprint, statistics), seen through the gateway's own wrappers.
+
+The gateway wraps backends (admission, tracing); a wrapper is not its backend, so it does not claim the backend's
+capabilities by forwarding attributes. It names what it wraps (``inner``), and ``capability`` looks there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast, runtime_checkable
+
+from backends.interface import Backend, FingerprintedBackend
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeForm  # PEP 747: lets a Protocol class be the argument (type[C] refuses one)
+
+C = TypeVar("C")
+
+
+@runtime_checkable
+class BackendWrapper(Protocol):
+    """A gateway-side wrapper around a backend: its requests reach ``inner``, its capabilities are ``inner``'s."""
+
+    @property
+    def inner(self) -> Backend: ...
+
+
+class AdmissionCounters(Protocol):
+    """What ``/metrics`` reads of an admission gate."""
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def rejected(self) -> int: ...
+
+
+@runtime_checkable
+class GatedBackend(Protocol):
+    """A backend behind the gateway's admission gate (``gateway.admission``): the gate is the wrapper's own."""
+
+    @property
+    def gate(self) -> AdmissionCounters: ...
+
+
+def unwrapped(backend: Backend) -> Backend:
+    """The backend itself, under any number of the gateway's wrappers."""
+    while isinstance(backend, BackendWrapper):
+        backend = backend.inner
+    return backend
+
+
+def capability(backend: Backend, protocol: TypeForm[C]) -> C | None:
+    """The backend as ``protocol`` (a runtime-checkable capability of ``backends.interface``), or None when the
+    backend under the gateway's wrappers lacks it."""
+    inner = unwrapped(backend)
+    # Every capability is a runtime-checkable Protocol class, so a class isinstance accepts.
+    return inner if isinstance(inner, cast("type[C]", protocol)) else None
+
+
+def system_fingerprint(backend: Backend) -> str:
+    """The ``system_fingerprint`` of the backend's responses: its own, else one naming its kind."""
+    fingerprinted = capability(backend, FingerprintedBackend)
+    own = fingerprinted.fingerprint if fingerprinted is not None else None
+    return own or f"fp_{backend.kind}"
