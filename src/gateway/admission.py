@@ -6,41 +6,19 @@ import time
 from collections.abc import Awaitable
 
 from backends.interface import Backend, CallTrace, Event, EventStream, GenerateRequest, TraceValue, traced_stage
+from gateway.capabilities import WrappedBackend
 from gateway.limits import AdmissionGate
 
 
-class AdmittedBackend:
-    """Wraps a backend so every request holds a slot of its gate for as long as its events flow.
+class AdmittedBackend(WrappedBackend):
+    """Wraps a backend so every request holds a slot of its gate for as long as its events flow; its optional
+    capabilities (tokenizer, statistics, ...) are ``inner``'s (``gateway.capabilities``)."""
 
-    Its name, kind, life cycle and health are the wrapped backend's, so routing and health see the backend itself;
-    its optional capabilities (tokenizer, statistics, ...) are ``inner``'s (``gateway.capabilities``).
-    """
-
-    __slots__ = ("gate", "inner")
+    __slots__ = ("gate",)
 
     def __init__(self, backend: Backend, gate: AdmissionGate) -> None:
-        self.inner = backend
+        super().__init__(backend)
         self.gate = gate
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def kind(self) -> str:
-        return self.inner.kind
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def stop(self) -> None:
-        await self.inner.stop()
-
-    def readiness(self) -> tuple[bool, str]:
-        return self.inner.readiness()
-
-    def max_model_len(self) -> int | None:
-        return self.inner.max_model_len()
 
     def generate(self, request: GenerateRequest) -> EventStream[Event]:
         return _AdmittedEvents(self.inner, self.gate, request)

@@ -24,6 +24,36 @@ class BackendWrapper(Protocol):
     def inner(self) -> Backend: ...
 
 
+class WrappedBackend:
+    """What the gateway's wrappers (admission, tracing) share: name, kind, life cycle and health are the wrapped
+    backend's, so routing and health see the backend itself; a subclass says what ``generate`` adds."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, backend: Backend) -> None:
+        self.inner = backend
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+    def readiness(self) -> tuple[bool, str]:
+        return self.inner.readiness()
+
+    def max_model_len(self) -> int | None:
+        return self.inner.max_model_len()
+
+
 class AdmissionCounters(Protocol):
     """What ``/metrics`` reads of an admission gate."""
 

@@ -68,6 +68,7 @@ from backends.interface import (
     Usage,
 )
 from gateway import __version__
+from gateway.capabilities import WrappedBackend
 from gateway.tracing_config import TracingConfig
 
 logger = logging.getLogger(__name__)
@@ -317,35 +318,15 @@ class BackendCall:
         span.end(end_time=now)
 
 
-class _TracedBackend:
+class _TracedBackend(WrappedBackend):
     """A backend as one traced call sees it: the requests it is asked to generate carry the call's trace; its
     optional capabilities are ``inner``'s (``gateway.capabilities``)."""
 
-    __slots__ = ("_call", "inner")
+    __slots__ = ("_call",)
 
     def __init__(self, backend: Backend, call: BackendCall) -> None:
-        self.inner = backend
+        super().__init__(backend)
         self._call = call
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def kind(self) -> str:
-        return self.inner.kind
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def stop(self) -> None:
-        await self.inner.stop()
-
-    def readiness(self) -> tuple[bool, str]:
-        return self.inner.readiness()
-
-    def max_model_len(self) -> int | None:
-        return self.inner.max_model_len()
 
     def generate(self, request: GenerateRequest) -> EventStream[Event]:
         return self.inner.generate(dataclasses.replace(request, trace=self._call))
