@@ -71,10 +71,3 @@ class OutputBuffer:
             loop = self._loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         return waiter
-
-    async def get(self) -> Item:
-        while True:
-            entry = self.pop()
-            if entry is not None:
-                return entry
-            await self.arrival()

@@ -47,5 +47,5 @@ async def test_a_waiting_stream_wakes_when_an_item_is_put_and_errors_come_in_ord
     assert entry is not None and entry[0] == 1 and len(entry[1]) == 2
     error = UpstreamError("gone")
     buffer.put(0, error)
-    assert await buffer.get() == (0, error)
+    assert buffer.pop() == (0, error)
     assert buffer.tokens == 0
