@@ -198,13 +198,19 @@ class EventStreamResponse(Response):
             else:
                 await finish_send(step, pending, stall)
             self._last_write = time()
+        # Stopped here, in the step that wrote the last frame: the request's task resumes only a loop round later,
+        # and a ping the timer started meanwhile would follow the stream's end frames (``data: [DONE]``).
+        self._stop_pings()
 
-    async def _end(self, stalled: bool) -> None:
-        self._watch.close()
+    def _stop_pings(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
         if self._pinger is not None:
             self._pinger.cancel()
+
+    async def _end(self, stalled: bool) -> None:
+        self._watch.close()
+        self._stop_pings()
         await self._content.aclose()
         self._on_end(stalled)
 
