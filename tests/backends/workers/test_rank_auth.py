@@ -76,7 +76,10 @@ def test_peers_without_an_admitted_key_can_neither_submit_to_a_rank_nor_stop_it(
             try:
                 client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
                 reply = client.chat.completions.create(
-                    model="guarded", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                    model="guarded",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=4,
+                    extra_body={"ignore_eos": True},  # exactly 4 tokens: an early EOS made the count 3
                 )
                 assert reply.choices[0].message.content
                 (state,) = driver_of(gateway, "guarded").ranks
