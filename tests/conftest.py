@@ -24,6 +24,7 @@ from backends.interface import Backend
 from gateway.app import create_app
 from gateway.capabilities import unwrapped
 from gateway.config import GatewayConfig
+from gateway.server import gateway_server
 from gateway.state import GatewayState
 
 from .conformance import OpenAISchemas
@@ -92,13 +93,15 @@ def start_gateway(
     ready_timeout: float = 180.0,
     budget_clock: Callable[[], float] | None = None,
 ) -> RunningGateway:
-    """Runs uvicorn in a thread on 127.0.0.1 with a kernel-chosen port and waits until ``wait_for`` is 200."""
+    """Runs the gateway's server as ``serve`` does (uvicorn on uvloop behind the connection guard, whose protocol
+    also gives streams their direct body writes) in a thread on 127.0.0.1 with a kernel-chosen port, and waits
+    until ``wait_for`` is 200."""
     app = create_app(config, backends, budget_clock=budget_clock)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
+    server = gateway_server(config, app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{port}"

@@ -1,10 +1,11 @@
-"""Running several event streams at once (n choices, several prompts) as one."""
+"""Event streams: what ``generate`` returns, the synchronous view some offer (``PolledStream``), and running several
+at once (n choices, several prompts) as one."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
-from typing import Protocol, TypeVar, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar, cast, runtime_checkable
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -19,6 +20,52 @@ class EventStream(Protocol[T_co]):
     def __anext__(self) -> Awaitable[T_co]: ...
 
     def aclose(self) -> Awaitable[object]: ...
+
+
+class EventPoller(Protocol[T_co]):
+    """A stream's events as they are ready, without a coroutine per event: ``poll()`` returns the next event, or
+    None when none is ready yet, and raises ``StopAsyncIteration`` at the stream's end or the error that ends it.
+    The stream is still closed with its ``aclose``; after ``poll`` raised, it only raises ``StopAsyncIteration``.
+    ``arrival()`` is done once ``poll`` may have an event: already done when it may now (events can come while the
+    consumer, having seen None, writes what it had), else when one comes."""
+
+    def poll(self) -> T_co | None: ...
+
+    def arrival(self) -> Awaitable[None]: ...
+
+    def listen(self, listener: Callable[[], None] | None) -> bool:
+        """Calls ``listener`` synchronously each time an event may have become ready (where ``arrival`` would
+        complete), until ``listen(None)``; False, and nothing changes, if ``poll`` may have an event now or the
+        stream cannot notify this way (then use ``arrival``). The listener must not raise."""
+        ...
+
+
+@runtime_checkable
+class PolledStream(Protocol[T_co]):
+    """Optional capability of an event stream whose events wait in a local queue (the engine backends' steps):
+    ``poller()`` is its synchronous view, from the first event on, or None where it has none (yet). A consumer
+    that pulls many events (a stream's frames) then spends one call per event instead of an ``await`` chain."""
+
+    def poller(self) -> EventPoller[T_co] | None: ...
+
+
+_CONFORMS: dict[tuple[type, object], bool] = {}
+
+
+def conforms(obj: object, protocol: object) -> bool:
+    """``isinstance(obj, protocol)`` for a runtime-checkable protocol whose members are class members, answered
+    once per class: such an ``isinstance`` inspects every member of the protocol on each call (tens of
+    microseconds on Python 3.11), too slow for every request."""
+    key = (type(obj), protocol)
+    known = _CONFORMS.get(key)
+    if known is None:
+        known = _CONFORMS[key] = isinstance(obj, cast("type", protocol))
+    return known
+
+
+def poller_of(stream: object) -> EventPoller[T] | None:
+    """The stream's synchronous view, if it offers one now."""
+    return cast("PolledStream[T]", stream).poller() if conforms(stream, PolledStream) else None
 
 
 async def interleave(streams: Sequence[EventStream[T]]) -> AsyncGenerator[tuple[int, T], None]:

@@ -5,7 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable
 
-from backends.interface import Backend, CallTrace, Event, EventStream, GenerateRequest, TraceValue, traced_stage
+from backends.interface import (
+    Backend,
+    CallTrace,
+    Event,
+    EventPoller,
+    EventStream,
+    GenerateRequest,
+    TraceValue,
+    poller_of,
+    traced_stage,
+)
 from gateway.capabilities import WrappedBackend
 from gateway.limits import AdmissionGate
 
@@ -58,6 +68,11 @@ class _AdmittedEvents:
         self._started = time.monotonic()
         events = self._events = self._backend.generate(self._request)
         return await events.__anext__()
+
+    def poller(self) -> EventPoller[Event] | None:
+        """The backend's stream's own, if it has one: the slot adds nothing per event."""
+        events = self._events
+        return poller_of(events) if events is not None and not self._closed else None
 
     async def aclose(self) -> None:
         if self._closed:

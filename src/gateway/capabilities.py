@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast, runtime_checkable
 
-from backends.interface import Backend, FingerprintedBackend
+from backends.interface import Backend, FingerprintedBackend, conforms
 
 if TYPE_CHECKING:
     from typing_extensions import TypeForm  # PEP 747: lets a Protocol class be the argument (type[C] refuses one)
@@ -77,8 +77,8 @@ class GatedBackend(Protocol):
 
 def unwrapped(backend: Backend) -> Backend:
     """The backend itself, under any number of the gateway's wrappers."""
-    while isinstance(backend, BackendWrapper):
-        backend = backend.inner
+    while conforms(backend, BackendWrapper):
+        backend = cast("BackendWrapper", backend).inner
     return backend
 
 
@@ -86,8 +86,9 @@ def capability(backend: Backend, protocol: TypeForm[C]) -> C | None:
     """The backend as ``protocol`` (a runtime-checkable capability of ``backends.interface``), or None when the
     backend under the gateway's wrappers lacks it."""
     inner = unwrapped(backend)
-    # Every capability is a runtime-checkable Protocol class, so a class isinstance accepts.
-    return inner if isinstance(inner, cast("type[C]", protocol)) else None
+    # Every capability is a runtime-checkable Protocol class of methods and properties: one answer per class
+    # (``conforms``; the fingerprint is looked up on every request).
+    return cast("C", inner) if conforms(inner, protocol) else None
 
 
 def system_fingerprint(backend: Backend) -> str:

@@ -19,6 +19,11 @@ A listener may serve only some paths (``paths``): the probe listener (``server.p
 ``/ready`` and ``/metrics`` with a cap of its own, so clients that fill the API listener's ``max_connections``
 never starve the kubelet's probes; any other path gets a 404 and a close.
 
+A streamed response's body frames may skip the ASGI send chain (``DIRECT_BODY``): the request's state carries a
+:class:`DirectBody` that writes a chunk straight to the connection while nothing stands in the way (the response
+started with chunked encoding, the socket takes bytes, the client is there); otherwise the caller sends through
+ASGI as usual, whose send waits for a full socket to drain.
+
 Every closed connection is counted in ``gateway_connections_closed_total{listener,reason}``; open ones in
 ``gateway_connections_open{listener}``. Timers run on an injected ``Clock`` (the event loop by default).
 """
@@ -33,7 +38,7 @@ from typing import Any, ClassVar, Protocol
 import httptools
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.errors import error_payload
 
@@ -43,6 +48,8 @@ TOO_MANY_CONNECTIONS = "too_many_connections"
 BODY_TIMEOUT = "body_timeout"
 """Also the key set in the request's ASGI state when its body timed out, and its error code."""
 NOT_A_PROBE_PATH = "not_a_probe_path"
+DIRECT_BODY = "gateway.direct_body"
+"""The key of the request's :class:`DirectBody` in its ASGI scope's ``state`` (absent under other servers)."""
 REASONS = (HEADER_TIMEOUT, HEADER_TOO_LARGE, TOO_MANY_CONNECTIONS, BODY_TIMEOUT, NOT_A_PROBE_PATH)
 
 API_LISTENER = "api"
@@ -77,6 +84,37 @@ _BUSY_RESPONSE = _response(b"503 Service Unavailable", b"Too many open connectio
 _NOT_A_PROBE_RESPONSE = _json_response(
     b"404 Not Found", "The probe port serves only /health, /ready and /metrics.", "not_found", None
 )
+
+
+class DirectBody:
+    """Writes one request's response body chunks straight to its connection (see the module docstring).
+
+    ``write(chunk)`` is what uvicorn's ``send`` of ``{"type": "http.response.body", "body": chunk, "more_body":
+    True}`` does when it would not wait, without the ASGI middleware's send wrappers above it (each a coroutine per
+    frame: Starlette's error and exception handlers, the request-context middleware). It returns False, having
+    written nothing, whenever that send would do anything else (wait for a full socket, drop the chunk of a client
+    that left, refuse a body before the start or after the end, write a HEAD or a sized response): the caller then
+    sends the message through ASGI. Only the status line and headers, which the middleware does see, come first."""
+
+    __slots__ = ("_cycle", "_head")
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+        self._head = cycle.scope["method"] == "HEAD"
+
+    def write(self, chunk: bytes) -> bool:
+        cycle = self._cycle
+        if (
+            not cycle.chunked_encoding  # also None: the response has not started
+            or cycle.response_complete
+            or cycle.disconnected
+            or cycle.flow.write_paused
+            or self._head
+            or not chunk
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        return True
 
 
 class Timer(Protocol):
@@ -220,6 +258,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._rejected = (_NOT_A_PROBE_RESPONSE, NOT_A_PROBE_PATH)
             return
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # a request cycle was started (not an upgrade)
+            self.scope["state"][DIRECT_BODY] = DirectBody(cycle)
         self._awaiting_body = not (self.parser.should_upgrade() and self._should_upgrade())  # an upgrade has no body
 
     def on_body(self, body: bytes) -> None:

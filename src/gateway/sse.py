@@ -1,16 +1,20 @@
 """Server-sent events written straight to the ASGI server, and the watch for a client that goes away.
 
-What it does. :class:`EventStreamResponse` sends ``http.response.start``, then one ``http.response.body`` message
-per frame its ``content`` iterator yields (the caller, ``gateway.streaming``, yields one frame per burst of ready
-events), then the empty last message. The frames are pulled and sent by one task of their own, which the request's
-task awaits: each frame's wake-up then resumes that task's few coroutine frames instead of the whole ASGI middleware
-stack above this response (issue 23: about a third fewer Python calls per frame). A stream needs no task group, no
-lock and no timer per frame. Beside the frames task, :class:`DisconnectWatch` waits for ``http.disconnect`` and
-cancels the request's task when it comes; a cancelled task cancels the task it awaits, so the cancellation reaches
-the frames wherever they wait (the first token, a backend's next event, a send to a client that stopped reading).
-Keep-alive pings are one timer per stream that looks at the time of the last write when it fires. A send is given
-the stall timeout only when it could not complete at once (the ASGI server blocks a send only while the client's
-socket buffer is full).
+What it does. :class:`EventStreamResponse` sends ``http.response.start``, then each frame its ``content`` iterator
+yields (the caller, ``gateway.streaming``, yields one frame per burst of ready events), then the empty last message.
+A frame goes straight to the connection when it can take it at once (``write_now``: the server's ``DirectBody``,
+``gateway.connections``), past the ASGI middleware's send wrappers, which only ever look at the start (issue 23:
+each was a coroutine per frame); otherwise, and under servers without one, it is an ``http.response.body`` message
+through ASGI's ``send``, which waits for a full socket. The stream's producer may also write frames itself with
+``write_now`` between the frames it yields (``gateway.frame_pusher``). The frames are pulled and sent by one task of
+their own, which the request's task awaits: each frame's wake-up then resumes that task's few coroutine frames
+instead of the whole ASGI middleware stack above this response (issue 23: about a third fewer Python calls per
+frame). A stream needs no task group, no lock and no timer per frame. Beside the frames task,
+:class:`DisconnectWatch` waits for ``http.disconnect`` and cancels the request's task when it comes; a cancelled
+task cancels the task it awaits, so the cancellation reaches the frames wherever they wait (the first token, a
+backend's next event, a send to a client that stopped reading). Keep-alive pings are one timer per stream that looks
+at the time of the last write when it fires. A send is given the stall timeout only when it could not complete at
+once (the ASGI server blocks a send only while the client's socket buffer is full).
 
 The asyncio contract behind that last point (:func:`send_within`). ``send(message)`` is a coroutine; instead of
 ``await``-ing it, it is stepped once by hand with ``.send(None)``. ``StopIteration`` means it finished without
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Any, cast
 
@@ -51,6 +56,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.bursts import resume
+from gateway.connections import DIRECT_BODY
 
 PING_FRAME = b": ping\n\n"
 """A comment line: clients ignore it, proxies see traffic on an idle stream."""
@@ -157,6 +163,8 @@ class EventStreamResponse(Response):
         self._ping_frame = ping_frame
         self._stall_timeout = stall_timeout
         self._last_write = 0.0
+        self._direct: Callable[[bytes], bool] | None = None  # the server's DirectBody.write, once started
+        self._clock: Callable[[], float] = time.monotonic  # the loop's, once started
         self._timer: asyncio.TimerHandle | None = None
         self._pinger: asyncio.Task[None] | None = None
 
@@ -173,6 +181,9 @@ class EventStreamResponse(Response):
             # The frames are pulled and written by a task of their own, which the request's task awaits: waking
             # for each frame resumes that task's few frames, not the whole ASGI middleware stack above this one.
             # The watch's cancellation of the request's task reaches it (a cancelled task cancels what it awaits).
+            direct = scope.get("state", {}).get(DIRECT_BODY)
+            self._direct = direct.write if direct is not None else None
+            self._clock = loop.time
             await loop.create_task(self._write_frames(send, stall))
             self._watch.close()  # the end of the response makes ``receive`` report a disconnect
             await send_within(send, {"type": "http.response.body", "body": b"", "more_body": False}, stall)
@@ -184,12 +195,33 @@ class EventStreamResponse(Response):
         finally:
             await self._end(stalled)
 
+    @property
+    def writes_now(self) -> bool:
+        """Whether ``write_now`` can write at all: the server offers a ``DirectBody`` (uvicorn behind the gateway's
+        connection guard; not a test client)."""
+        return self._direct is not None
+
+    def write_now(self, frame: bytes) -> bool:
+        """Writes ``frame`` at once, straight to the connection past the ASGI send chain, if the connection takes
+        it now (``gateway.connections.DirectBody``: started, socket not full, client there); else writes nothing
+        and returns False: the frame is then ``content``'s to yield, and goes through ASGI's ``send``, which waits
+        for a full socket within the stall timeout. The stream's producer may call it from any callback on the
+        loop while the response runs, between the frames it yields."""
+        direct = self._direct
+        if direct is not None and direct(frame):
+            self._last_write = self._clock()
+            return True
+        return False
+
     async def _write_frames(self, send: Send, stall: float | None) -> None:
-        """Every frame of ``content``, each one write (``send_within`` inlined: a frame written at once, the usual
-        case, costs no coroutine of its own)."""
+        """Every frame of ``content``, each one write: at once (``write_now``) when the connection takes it, else
+        through ASGI's ``send`` (``send_within`` inlined: a frame sent at once costs no coroutine of its own)."""
         time = asyncio.get_running_loop().time
+        write_now = self.write_now
         send_step = cast("Callable[[Message], Coroutine[Any, Any, None]]", send)  # see _as_coroutine
         async for frame in self._content:
+            if write_now(frame):
+                continue
             step = send_step({"type": "http.response.body", "body": frame, "more_body": True})
             try:
                 pending = step.send(None)

@@ -3,6 +3,11 @@
 Starlette does not cancel a handler when its client goes away, so every wait that can be long (the first
 token, a whole non-streamed completion) races against the ``http.disconnect`` message. When the client
 wins, the event iterator is closed, which aborts the engine request.
+
+A stream's frames after the first are pulled in bursts (``gateway.bursts``), or, from a backend whose stream has a
+synchronous view (``backends.streams.PolledStream``), polled: one call per event. While such a stream waits, its
+frames are written as the backend's outputs arrive, with no task woken per frame (``gateway.frame_pusher``).
+Deadlines are ``gateway.deadlines``'.
 """
 
 from __future__ import annotations
@@ -11,16 +16,18 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from backends.errors import BackendError, BackendTimeoutError, SlowClientError
-from backends.interface import Delta, Event, EventStream, Finish, PromptEcho, Usage, interleave
+from backends.errors import BackendError, SlowClientError
+from backends.interface import Delta, Event, EventPoller, EventStream, Finish, PromptEcho, Usage, interleave, poller_of
 from gateway.bursts import BurstReader
+from gateway.deadlines import Deadline, Expiry, Timeouts, WaitDeadline, next_event
 from gateway.errors import APIError, api_error_from_backend, public_error
+from gateway.frame_pusher import FramePusher
 from gateway.metrics import RequestObserver
 from gateway.sse import DisconnectWatch, EventStreamResponse
 
@@ -29,162 +36,6 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 SLOW_CLIENT_STATUS = 408  # logged for a stream stopped because its client did not read
 MAX_BURST = 64
 """Frames written to a client in one send at most, when that many were ready at once."""
-
-
-class Timeouts(NamedTuple):
-    total: float | None  # seconds from arrival to the last token
-    idle: float | None  # seconds between two events (the first token included)
-    stall: float | None = None  # seconds one send to a streaming client may block before the stream is stopped
-
-
-class _Deadline:
-    """A request's deadline: its total deadline, or ``idle`` after the last event, whichever comes first."""
-
-    __slots__ = ("_end", "_idle", "_timeouts", "last", "loop")
-
-    def __init__(self, timeouts: Timeouts) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._timeouts = timeouts
-        now = self.loop.time()
-        self._end = now + timeouts.total if timeouts.total else None
-        self._idle = timeouts.idle
-        self.last = now
-
-    def next(self) -> float | None:
-        idle_end = self.last + self._idle if self._idle else None
-        if self._end is None:
-            return idle_end
-        return self._end if idle_end is None else min(self._end, idle_end)
-
-    def expired(self) -> BackendTimeoutError:
-        if self._end is not None and self.loop.time() >= self._end:
-            return BackendTimeoutError(f"The request took longer than its {self._timeouts.total:g} s deadline.")
-        return BackendTimeoutError(f"No output from the backend for {self._timeouts.idle:g} s.")
-
-
-class _Expiry:
-    """The request's deadline over many waits at once (a whole response): one timer, re-armed lazily. An event
-    only moves ``deadline.last``; when the timer fires it checks whether the deadline really passed, and re-arms at
-    the later one if not. Expiry goes through an ``asyncio.Timeout`` (cancel the task, then ``TimeoutError``),
-    so its bookkeeping of cancellations is asyncio's own, and is raised as the deadline's ``BackendTimeoutError``.
-    """
-
-    __slots__ = ("_deadline", "_handle", "_scope")
-
-    def __init__(self, deadline: _Deadline) -> None:
-        self._deadline = deadline
-        self._scope = asyncio.timeout(None)
-        self._handle: asyncio.TimerHandle | None = None
-
-    async def __aenter__(self) -> None:
-        await self._scope.__aenter__()
-        at = self._deadline.next()
-        if at is not None:
-            self._handle = self._deadline.loop.call_at(at, self._check)
-
-    def _check(self) -> None:
-        at = self._deadline.next()
-        now = self._deadline.loop.time()
-        if at is not None and at > now:
-            self._handle = self._deadline.loop.call_at(at, self._check)
-        else:
-            self._handle = None
-            self._scope.reschedule(now)  # expires the scope now: it cancels the task
-
-    async def __aexit__(self, kind: Any, exc: Any, traceback: Any) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-        try:
-            await self._scope.__aexit__(kind, exc, traceback)
-        except TimeoutError:
-            raise self._deadline.expired() from None
-
-
-class _WaitDeadline:
-    """The request's deadline over a stream's waits for the backend, frame after frame: one timer for the whole
-    stream, re-armed lazily (a wait only records its end), that cancels the task only while it waits for the
-    backend, never during a send to the client (that is the stall timeout's). A timer firing during a wait finds
-    the task suspended in it, so the cancellation lands there; an ``asyncio.timeout`` per wait cost a timer, a
-    cancellation and a scope per frame."""
-
-    __slots__ = ("_cancelling", "_deadline", "_expired", "_handle", "_task", "_waiting")
-
-    def __init__(self, deadline: _Deadline) -> None:
-        self._deadline = deadline
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        self._handle: asyncio.TimerHandle | None = None
-        self._waiting = False
-        self._expired = False
-        self._cancelling = 0
-
-    def _arm(self) -> None:
-        at = self._deadline.next()
-        self._handle = None if at is None else self._deadline.loop.call_at(at, self._check)
-
-    def _check(self) -> None:
-        self._handle = None
-        if not self._waiting:
-            return  # the next wait arms it again
-        at = self._deadline.next()
-        if at is not None and at > self._deadline.loop.time():
-            self._arm()
-            return
-        self._expired = True
-        self._cancelling = self._task.cancelling()
-        self._task.cancel()
-
-    async def wait(self, wait: Callable[[], Awaitable[Event]]) -> Event:
-        """``wait()``, bounded by the deadline (``BackendTimeoutError``, as ``_within``)."""
-        deadline = self._deadline
-        at = deadline.next()
-        if at is not None and at <= deadline.loop.time():
-            raise deadline.expired()  # it passed while the frames before were being sent
-        if self._handle is None and at is not None:
-            self._handle = deadline.loop.call_at(at, self._check)
-        self._waiting = True
-        try:
-            event = await wait()
-        except asyncio.CancelledError:
-            if self._expired:
-                self._expired = False
-                if self._task.uncancel() <= self._cancelling:
-                    raise deadline.expired() from None
-            raise
-        finally:
-            self._waiting = False
-        deadline.last = deadline.loop.time()
-        return event
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-
-async def _next_event(events: AsyncIterator[Event], deadline: _Deadline | None) -> Event:
-    """The next event, or ``BackendTimeoutError`` once the deadline passes (the backend's work is aborted,
-    since the timeout cancels the iterator's pending await and its cleanup runs). The timeout only ever spans
-    the wait for the backend, never a send to the client."""
-    return await _within(deadline, lambda: anext(events))
-
-
-async def _within(deadline: _Deadline | None, wait: Callable[[], Awaitable[Event]]) -> Event:
-    """``wait()``, bounded by the request's deadline (see ``_next_event``)."""
-    if deadline is None:
-        return await wait()
-    at = deadline.next()
-    if at is None:
-        event = await wait()
-    else:
-        try:
-            async with asyncio.timeout_at(at):
-                event = await wait()
-        except TimeoutError:
-            raise deadline.expired() from None
-    deadline.last = deadline.loop.time()
-    return event
 
 
 Completion = Callable[[Usage | None], Awaitable[None]]
@@ -208,12 +59,12 @@ class WireFormat(Protocol):
     def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]: ...
 
 
-async def _first_token_events(events: AsyncIterator[Event], deadline: _Deadline | None) -> list[Event]:
+async def _first_token_events(events: AsyncIterator[Event], deadline: Deadline | None) -> list[Event]:
     """Pulls events up to and including the first that carries output, so the first frame is real."""
     head: list[Event] = []
     while True:
         try:
-            event = await _next_event(events, deadline)
+            event = await next_event(events, deadline)
         except StopAsyncIteration:
             return head
         head.append(event)
@@ -261,7 +112,7 @@ async def stream_response(
     """SSE response. Errors before the first token are plain HTTP errors; any later failure is an error frame
     followed by ``[DONE]``. A client that leaves cancels the request's task wherever it waits (``DisconnectWatch``),
     and the event iterator is closed, which aborts the backend's work."""
-    deadline = _Deadline(timeouts) if timeouts else None
+    deadline = Deadline(timeouts) if timeouts else None
     watch = DisconnectWatch(request.receive)
     try:
         head = await _first_token_events(events, deadline)
@@ -284,10 +135,11 @@ async def stream_response(
             return fmt.frame(event)
 
         reader = BurstReader(events)
-        waits = _WaitDeadline(deadline) if deadline is not None else None
+        waits = WaitDeadline(deadline) if deadline is not None else None
         output, frame_of = observer.output, fmt.frame
         burst: list[bytes] = []
         event: Event | None
+        pusher: FramePusher | None = None
         try:
             for event in head:  # the first token goes out at once
                 frame = render(event)
@@ -296,14 +148,42 @@ async def stream_response(
             if burst:
                 yield b"".join(burst)
                 burst.clear()
+            # From here on, a stream that has a synchronous view (the engine backends') is polled: one call per
+            # event, where an await goes through every wrapper's coroutine.
+            poller: EventPoller[Event] | None = poller_of(events)
+            if poller is not None:
+                poll, arrival = poller.poll, poller.arrival
+                if response.writes_now:  # and while it waits, the frames are written as the outputs come
+                    touch = deadline.touch if deadline is not None else None
+                    pusher = FramePusher(poller, frame_of, output, response.write_now, touch)
             while True:
                 try:
-                    event = reader.ready()
-                    if event is None:  # the backend has nothing more for now: send what it had, then wait
-                        if burst:
-                            yield burst[0] if len(burst) == 1 else b"".join(burst)
-                            burst.clear()
-                        event = await (reader.wait() if waits is None else waits.wait(reader.wait))
+                    if poller is not None:
+                        event = poll()
+                        if event is None:  # the backend has nothing more for now: send what it had, then wait
+                            if burst:
+                                yield burst[0] if len(burst) == 1 else b"".join(burst)
+                                burst.clear()
+                                continue  # more may have come while it was sent
+                            if pusher is None or not pusher.park():
+                                await (arrival() if waits is None else waits.wait(arrival))
+                                continue
+                            parked = pusher.parked
+                            unsent, handed, raised = await (parked() if waits is None else waits.wait(parked))
+                            if unsent is not None:  # the connection did not take them at once: sent through ASGI
+                                burst.append(unsent)
+                            if raised is not None:  # the stream's end or its error, as ``poll`` raised it
+                                raise raised
+                            if handed is None:
+                                continue
+                            event = handed
+                    else:
+                        event = reader.ready()
+                        if event is None:  # the same, for a stream without a synchronous view
+                            if burst:
+                                yield burst[0] if len(burst) == 1 else b"".join(burst)
+                                burst.clear()
+                            event = await (reader.wait() if waits is None else waits.wait(reader.wait))
                 except StopAsyncIteration:
                     outcome.status = 200
                     break
@@ -327,6 +207,8 @@ async def stream_response(
             error = APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error", code="internal_error")
             burst.append(fmt.error_frame(public_error(error, request)))
         finally:
+            if pusher is not None:
+                pusher.stop()
             if waits is not None:
                 waits.close()
             # A cancelled stream still aborts its backend work: the cancellation was spent at the pending await.
@@ -340,7 +222,7 @@ async def stream_response(
         if outcome.status is not None and burst:
             yield b"".join(burst)
 
-    return EventStreamResponse(
+    response = EventStreamResponse(
         frames(),
         watch,
         lambda stalled: _record(observer, outcome, stalled),
@@ -349,6 +231,7 @@ async def stream_response(
         ping_frame=fmt.ping_frame,
         stall_timeout=timeouts.stall if timeouts else None,
     )
+    return response
 
 
 async def whole_response(
@@ -362,7 +245,7 @@ async def whole_response(
     timeouts: Timeouts | None = None,
     on_complete: Completion | None = None,
 ) -> Response:
-    deadline = _Deadline(timeouts) if timeouts else None
+    deadline = Deadline(timeouts) if timeouts else None
 
     async def collect() -> Usage | None:
         usage = None
@@ -377,15 +260,15 @@ async def whole_response(
                 fmt.add(event)
         return usage
 
-    async def collect_within() -> Usage | None:
+    async def collectwithin() -> Usage | None:
         if deadline is None:
             return await collect()
-        async with _Expiry(deadline):
+        async with Expiry(deadline):
             return await collect()
 
     watch = DisconnectWatch(request.receive)
     try:
-        usage = await collect_within()
+        usage = await collectwithin()
     except BaseException as exc:
         if await _ended_early(watch, events, observer, exc):
             return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from gateway.connections import GuardedHttpToolsProtocol
+from gateway.connections import DirectBody, GuardedHttpToolsProtocol
 
 
 class LoneBody(BaseModel):
@@ -161,6 +161,47 @@ async def _protocol_state() -> None:
     await asyncio.gather(*protocol.tasks)
 
 
+async def _cycle_body_writes() -> None:
+    """``DirectBody`` reads the request cycle's response state and writes what uvicorn's ``send`` would."""
+    sent = asyncio.Event()
+    finish = asyncio.Event()
+    state: dict[str, Any] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        state["writer"] = DirectBody(protocol.cycle)
+        transport.written = b""
+        await send({"type": "http.response.body", "body": b"frame", "more_body": True})
+        state["through_send"] = transport.written
+        sent.set()
+        await finish.wait()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    config = uvicorn.Config(app, lifespan="off", log_config=None)
+    protocol = HttpToolsProtocol(
+        config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop()
+    )
+    transport = _Transport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET /s HTTP/1.1\r\nHost: a\r\n\r\n")
+    await asyncio.wait_for(sent.wait(), 10)
+    cycle = protocol.cycle
+    assert cycle is not None and cycle.chunked_encoding is True, "a response without a length is not chunked"
+    assert cycle.flow.write_paused is False and cycle.transport is transport
+    transport.written = b""
+    assert state["writer"].write(b"frame"), "DirectBody refused a write to a started chunked response"
+    assert transport.written == state["through_send"], (
+        f"DirectBody wrote {transport.written!r}, uvicorn's send {state['through_send']!r}"
+    )
+    cycle.flow.pause_writing()
+    assert not state["writer"].write(b"frame"), "DirectBody wrote to a socket uvicorn's flow control paused"
+    cycle.flow.resume_writing()
+    finish.set()
+    await asyncio.gather(*protocol.tasks)
+    assert cycle.response_complete and not state["writer"].write(b"frame"), "DirectBody wrote after the end"
+    protocol.connection_lost(None)
+
+
 def _server_shape() -> None:
     state = ServerState()
     assert isinstance(state.connections, set), "ServerState.connections is not a set"
@@ -213,6 +254,12 @@ INTERNALS = [
         "uvicorn",
         "src/gateway/connections.py",
         _protocol_state,
+    ),
+    Internal(
+        "uvicorn RequestResponseCycle's response state (chunked_encoding, flow, transport, response_complete)",
+        "uvicorn",
+        "src/gateway/connections.py",
+        _cycle_body_writes,
     ),
     Internal("uvicorn.Server hooks and ServerState", "uvicorn", "src/gateway/server.py", _server_shape),
     Internal("httptools.parse_url", "httptools", "src/gateway/connections.py", _parse_url),

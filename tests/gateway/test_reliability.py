@@ -127,6 +127,25 @@ def test_a_whole_response_may_outlast_the_idle_timeout_while_its_tokens_keep_com
         stop_gateway(running)
 
 
+def test_a_stream_may_outlast_the_idle_timeout_while_its_tokens_keep_coming() -> None:
+    """The same for a stream, whose frames are written as the steps come while its task waits: each frame written
+    restarts the idle timeout, so 15 steps of 0.1 s past an idle timeout of 1 s end well, with no timeout frame."""
+    config = _one_backend(timing={"decode_seconds_per_step": 0.1})
+    config.server.idle_timeout = 1.0
+    running = start_gateway(config)
+    try:
+        body = {**LONG, "max_tokens": 15, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{running.base_url}/v1/chat/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        chunks = [orjson.loads(d) for d in data[:-1]]
+        assert not [c for c in chunks if "error" in c], chunks[-1]
+        assert chunks[-1]["usage"]["completion_tokens"] == 15
+    finally:
+        stop_gateway(running)
+
+
 class CrashingEngine(ReferenceEngine):
     """Test double: the reference engine, whose ``step()`` raises once the test arms it."""
 

@@ -34,7 +34,7 @@ from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
 from backends.deepseek.response_format import response_format_so_args
 from backends.deepseek.schema_checks import ConstraintLimitError, check_constraint_size, check_json_schema
 from backends.deepseek.tool_call_grammar import ToolSchemaError, tool_call_grammar
-from backends.engine.backend import ChatPrompt
+from backends.engine.prompts import ChatPrompt
 from backends.errors import InvalidRequestError
 from backends.interface import REQUEST_FEATURES, GenerateRequest
 

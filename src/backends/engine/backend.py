@@ -1,4 +1,5 @@
-"""A backend over an in-process engine: prompt encoding, engine driver, and per-choice output processing."""
+"""A backend over an in-process engine: prompt encoding and the engine driver; each request's events are an
+``EngineEvents`` (``backends.engine.events``: per-choice output processing)."""
 
 from __future__ import annotations
 
@@ -6,42 +7,36 @@ import asyncio
 import functools
 import importlib.metadata
 import itertools
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from backends.engine.buffer import OutputBuffer
-from backends.engine.choice import Choice, finish_reason
+from backends.engine.choice import Choice
 from backends.engine.detokenizer import TokenTable
 from backends.engine.driver import EngineDriver
+from backends.engine.events import EngineEvents, EngineRun
 from backends.engine.prompts import (
     DEFAULT_PREPARE_THREADS,
-    ChatPrompt,
     ChatTemplate,
     PromptPreparer,
+)
+from backends.engine.prompts import (
+    ChatPrompt as ChatPrompt,  # re-exported, as it was defined here before
 )
 from backends.engine.prompts import (
     OutputParser as OutputParser,  # re-exported: the parser protocol was defined beside the choice code
 )
 from backends.engine.protocol import EOS_TOKEN_ID, Engine, MetricSample
 from backends.errors import (
-    BackendError,
     ContextLengthExceededError,
     InvalidRequestError,
-    SlowClientError,
     UnavailableError,
-    UpstreamError,
 )
 from backends.interface import (
-    Event,
-    Finish,
     GenerateRequest,
-    PromptEcho,
-    PromptToken,
     TokenizerInfo,
-    Usage,
     reject_unsupported,
 )
 
@@ -54,8 +49,6 @@ LONG_PROMPT_CHARS = 16_384
 """Prompts longer than this are tokenized on a worker thread so the event loop never stalls on them."""
 LONG_DECODE_TOKENS = 4_096
 """Token lists longer than this are decoded on a worker thread, for the same reason."""
-INLINE_PROMPT_TOKENS = 512
-"""Echoed prompts with logprobs longer than this are formatted on a worker thread (microseconds per token)."""
 BOS_TOKEN_ID, PAD_TOKEN_ID = 0, 2
 """DeepInfer's tokenizer policy: BOS 0, EOS 1 (``EOS_TOKEN_ID``), PAD 2."""
 
@@ -130,7 +123,11 @@ class EngineBackend:
         samples = getattr(self.driver.engine, "metric_samples", None)
         return samples() if samples is not None else ()
 
-    async def generate(self, request: GenerateRequest) -> AsyncGenerator[Event, None]:
+    def generate(self, request: GenerateRequest) -> EngineEvents:
+        return EngineEvents(functools.partial(self._open, request))
+
+    async def _open(self, request: GenerateRequest) -> EngineRun:
+        """Prepares the prompt and adds the request's choices to the engine: the first step of its events."""
         if not self._started or not self.driver.alive:
             raise UnavailableError(f"backend {self.name!r} is not ready: {self.readiness()[1]}")
         table = self._table
@@ -141,7 +138,6 @@ class EngineBackend:
         prompt_ids, chat = prompt.ids, prompt.chat
         max_tokens = _resolve_max_tokens(request, len(prompt_ids), engine.max_model_len)
         sampling = request.sampling
-        score_only = max_tokens == 0  # echo with max_tokens 0: score the prompt, generate nothing
         scoring = request.echo and sampling.logprobs
         params: dict[str, Any] = {
             "max_tokens": max(1, max_tokens),  # engines generate at least one token; score_only drops it
@@ -158,9 +154,6 @@ class EngineBackend:
         prompt_array = np.asarray(prompt_ids, dtype=np.int32)
         base = f"{request.request_id}#{next(self._ids)}"
         engine_ids = [f"{base}.{i}" for i in range(request.n)]
-        live = set(engine_ids)
-        outputs = OutputBuffer(request.max_buffered_tokens, lambda: self.driver.abort(list(live)))
-        sink = outputs.put
         make_parser = chat.parser if chat is not None else None
         reasoning_end = chat.reasoning_end_token if chat is not None else None
         choices = [
@@ -175,6 +168,22 @@ class EngineBackend:
             )
             for index in range(request.n)
         ]
+        echo_text = None
+        if request.echo:
+            echo_text = request.prompt if request.prompt is not None else table.tokenizer.decode(prompt_ids.tolist())
+        run = EngineRun(
+            self.driver.abort,
+            engine_ids,
+            choices,
+            request.max_buffered_tokens,
+            prompt_ids,
+            table,
+            chat,
+            echo_text=echo_text,
+            scoring=scoring,
+            score_only=max_tokens == 0,  # echo with max_tokens 0: score the prompt, generate nothing
+        )
+        sink = run.sink
         try:
             for index, engine_id in enumerate(engine_ids):
                 seed = None if sampling.seed is None else sampling.seed + index
@@ -183,71 +192,10 @@ class EngineBackend:
                 )
                 if rank is not None and request.trace is not None:
                     request.trace.annotate("gateway.dp.rank", rank)  # a request's choices share one rank
-            echo_text = ""
-            if request.echo:
-                echo_text = (
-                    request.prompt if request.prompt is not None else table.tokenizer.decode(prompt_ids.tolist())
-                )
-                if not scoring:  # the echo needs nothing from the engine: send it at once
-                    for index in range(request.n):
-                        yield PromptEcho(index, echo_text)
-            remaining = request.n
-            echoed = [not scoring] * request.n
-            prompt_unreported = True
-            pop, arrival = outputs.pop, outputs.arrival
-            while remaining:
-                entry = pop()
-                if entry is None:
-                    await arrival()
-                    continue
-                index, item = entry
-                if isinstance(item, BackendError):
-                    live.discard(engine_ids[index])
-                    raise _blame_constraint(item, chat)
-                choice = choices[index]
-                if not echoed[index]:  # the prompt step's output carries the prompt logprobs
-                    echoed[index] = True
-                    if item[0].finished:
-                        finish_reason(item[0])  # raises for a request that ended in error before it ran
-                    scores = item[0].prompt_logprobs
-                    if len(prompt_ids) > INLINE_PROMPT_TOKENS:
-                        entries = await asyncio.to_thread(_prompt_tokens, table, prompt_ids, scores)
-                    else:
-                        entries = _prompt_tokens(table, prompt_ids, scores)
-                    yield PromptEcho(index, echo_text, entries)
-                if score_only:
-                    remaining -= 1
-                    if item[-1].finished:
-                        finish_reason(item[-1])  # raises for a request the engine refused (context, resources)
-                    else:
-                        self.driver.abort([engine_ids[index]])
-                    live.discard(engine_ids[index])
-                    yield Finish(index, "length")
-                    continue
-                try:
-                    delta, finish = choice.consume(item)
-                except InvalidRequestError as exc:
-                    raise _blame_constraint(exc, chat) from None
-                if finish is not None:
-                    remaining -= 1
-                    if not item[-1].finished:  # a stop string ended it: the engine still runs it
-                        self.driver.abort([engine_ids[index]])
-                    live.discard(engine_ids[index])
-                if delta is not None:
-                    if prompt_unreported:  # a request cut short before its usage is charged its exact prompt
-                        prompt_unreported = False
-                        delta = delta._replace(prompt_tokens=len(prompt_ids))
-                    yield delta
-                if finish is not None:
-                    yield Finish(index, finish, choice.end_logprobs, choice.matched_stop)
-            if score_only:
-                yield Usage(len(prompt_ids), 0, None)
-                return
-            reasoning = sum(c.reasoning_tokens for c in choices) if make_parser is not None else None
-            yield Usage(len(prompt_ids), sum(c.tokens for c in choices), reasoning)
-        finally:
-            if live:
-                self.driver.abort(list(live))
+        except BaseException:
+            run.close()
+            raise
+        return run
 
     # ---- TokenizingBackend ------------------------------------------------------------------------------------
 
@@ -304,43 +252,6 @@ async def _encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) 
     else:
         encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return list(encoding.ids)
-
-
-def _blame_constraint(error: BackendError, chat: ChatPrompt | None) -> BackendError:
-    """An engine's refusal of a constrained request names the request field that asked for the constraint."""
-    if (
-        isinstance(error, InvalidRequestError)
-        and not isinstance(error, SlowClientError)
-        and error.param is None
-        and chat is not None
-        and chat.so_param
-    ):
-        error.param = chat.so_param
-    return error
-
-
-def _prompt_tokens(
-    table: TokenTable, prompt_ids: Sequence[int] | np.ndarray, values: Sequence[float] | None
-) -> list[PromptToken]:
-    """The echoed prompt's tokens with their logprobs and character offsets in the echoed text.
-
-    The engine scores every token but the first (``values[i]`` is for ``prompt_ids[i + 1]``) and gives no
-    alternatives for prompt positions. Offsets count the characters each token's bytes start, so special tokens
-    that the text leaves out (BOS) take no room.
-    """
-    if values is None or len(values) != len(prompt_ids) - 1:
-        raise UpstreamError(
-            f"the engine returned {0 if values is None else len(values)} prompt logprobs for a prompt of "
-            f"{len(prompt_ids)} tokens"
-        )
-    text_of, bytes_of = table.text_of, table.bytes_of
-    pieces = [bytes_of[i] for i in prompt_ids]
-    joined = np.frombuffer(b"".join(pieces), dtype=np.uint8)
-    starts_char = np.r_[0, np.cumsum((joined & 0xC0) != 0x80)]  # characters begun before each byte position
-    byte_starts = np.r_[0, np.cumsum(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)))[:-1]]
-    offsets = starts_char[byte_starts].tolist()
-    logprobs: list[float | None] = [None, *values]
-    return list(map(PromptToken, [text_of[i] for i in prompt_ids], logprobs, offsets))
 
 
 def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len: int) -> int:

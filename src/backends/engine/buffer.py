@@ -21,11 +21,12 @@ class OutputBuffer:
     client does. ``limit`` ``None`` means no bound.
     """
 
-    __slots__ = ("_items", "_limit", "_loop", "_on_overflow", "_waiter", "overflowed", "tokens")
+    __slots__ = ("_items", "_limit", "_listener", "_loop", "_on_overflow", "_waiter", "overflowed", "tokens")
 
     def __init__(self, limit: int | None, on_overflow: Callable[[], None]) -> None:
         self._items: deque[Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._listener: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the stream's loop, looked up once (not per wait)
         self._limit = limit
         self._on_overflow = on_overflow
@@ -48,6 +49,10 @@ class OutputBuffer:
                 )
                 self._on_overflow()
         self._items.append((index, item))
+        listener = self._listener
+        if listener is not None:
+            listener()
+            return
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -64,10 +69,21 @@ class OutputBuffer:
             self.tokens -= len(item)
         return index, item
 
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        """Calls ``listener`` after each put, right there (on the loop, inside the driver's dispatch), until
+        ``listen(None)``; an ``arrival()`` future is not completed meanwhile. The listener must not raise."""
+        self._listener = listener
+
     def arrival(self) -> asyncio.Future[None]:
-        """Done once the next item is put: awaited straight from the stream's own frame (no coroutine per wait)."""
+        """Done once an item waits: at once if one does (it may have come since the caller's last ``pop``, while
+        it wrote to its client), else when the next is put. Awaited straight from the stream's own frame (no
+        coroutine per wait)."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
+        waiter = loop.create_future()
+        if self._items:
+            waiter.set_result(None)
+        else:
+            self._waiter = waiter
         return waiter

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from backends.interface import Backend, Event, EventStream, GenerateRequest, Usage
 from gateway.bodies import OffloadedJSONRoute
 from gateway.capabilities import system_fingerprint
+from gateway.deadlines import Timeouts
 from gateway.errors import APIError
 from gateway.limits import KeyLimits, Reservation, admitted
 from gateway.metrics import RequestObserver
@@ -21,7 +22,7 @@ from gateway.openai.output import ChatFormat, CompletionFormat
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing.stream import RoutedStream
 from gateway.state import GatewayState, gateway_state
-from gateway.streaming import Completion, Timeouts, merge_prompts, stream_response, whole_response
+from gateway.streaming import Completion, merge_prompts, stream_response, whole_response
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["generation"], route_class=OffloadedJSONRoute)  # 7 MiB bodies are parsed off the loop

@@ -13,7 +13,7 @@ has a span per attempt (``gateway.tracing.BackendCall``), which also sees every 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from backends.errors import (
@@ -23,7 +23,7 @@ from backends.errors import (
     ModelNotFoundError,
     OverloadedError,
 )
-from backends.interface import Backend, Delta, Event, EventStream, GenerateRequest
+from backends.interface import Backend, Delta, Event, EventPoller, EventStream, GenerateRequest, poller_of
 from gateway.routing.shadow import CANCELLED, FAILED, OK, ShadowPair
 from gateway.routing.targets import Target
 
@@ -57,6 +57,7 @@ class RoutedStream:
         "_first_token_at",
         "_held",
         "_inner",
+        "_inner_poll",
         "_pair",
         "_probe",
         "_request",
@@ -84,6 +85,7 @@ class RoutedStream:
         self._request = request
         self._call: BackendCall | None = None
         self._inner: EventStream[Event] | None = None
+        self._inner_poll: EventPoller[Event] | None = None
         self._done = False
         self._first_token_at: float | None = None
         self._watching = True
@@ -122,6 +124,38 @@ class RoutedStream:
         if self._watching:
             self._watch(event)
         return event
+
+    def poller(self) -> EventPoller[Event] | None:
+        """The target's synchronous view of its events (``PolledStream``), once the request is committed to it and
+        nothing here needs to see each event (the first token was seen, no shadow, no trace); else None."""
+        inner = self._inner
+        if inner is None or self._done or self._watching:
+            return None
+        inner_poll = self._inner_poll = poller_of(inner)
+        return self if inner_poll is not None else None
+
+    def poll(self) -> Event | None:
+        """``EventPoller.poll`` of the target's view, ending the request here as ``__anext__`` does."""
+        inner = self._inner_poll
+        assert inner is not None, "poll() before poller()"
+        try:
+            return inner.poll()
+        except StopAsyncIteration:
+            self._end(None)  # the target's stream is closed by the consumer's aclose, which frees its slot
+            raise
+        except BaseException as exc:
+            self._end(exc)
+            raise
+
+    def arrival(self) -> Awaitable[None]:
+        inner = self._inner_poll
+        assert inner is not None, "arrival() before poller()"
+        return inner.arrival()
+
+    def listen(self, listener: Callable[[], None] | None) -> bool:
+        inner = self._inner_poll
+        assert inner is not None, "listen() before poller()"
+        return inner.listen(listener)
 
     async def aclose(self) -> None:
         """Ends the request early (client gone, deadline): the target's iterator is closed, aborting its work."""

@@ -49,3 +49,33 @@ async def test_a_waiting_stream_wakes_when_an_item_is_put_and_errors_come_in_ord
     buffer.put(0, error)
     assert buffer.pop() == (0, error)
     assert buffer.tokens == 0
+
+
+async def test_arrival_is_done_at_once_when_an_item_came_since_the_last_pop() -> None:
+    """A stream that saw nothing, then wrote to its client, must not wait for a put that already happened: after
+    an overflow no put ever comes again, and such a wait hung the stream with its error frame undelivered."""
+    buffer = OutputBuffer(4, lambda: None)
+    assert buffer.pop() is None  # nothing yet: the stream goes to write what it had
+    buffer.put(0, step(4))
+    buffer.put(0, step(4))  # over the bound: the error is queued, later puts are dropped
+    arrival = buffer.arrival()
+    assert arrival.done()
+    entry = buffer.pop()
+    assert entry is not None and isinstance(entry[1], SlowClientError)
+
+
+async def test_a_listener_hears_every_put_until_it_is_removed_and_no_arrival_is_needed_meanwhile() -> None:
+    buffer = OutputBuffer(None, lambda: None)
+    heard: list[int] = []
+    buffer.listen(lambda: heard.append(buffer.tokens))
+    buffer.put(0, step(2))
+    buffer.put(0, step(3))
+    assert heard == [2, 5]  # called right in the put, after the item is queued
+    buffer.listen(None)
+    arrival = buffer.arrival()
+    assert arrival.done()  # items wait: nothing to wait for
+    buffer.pop()
+    buffer.pop()
+    arrival = buffer.arrival()
+    buffer.put(1, step(1))
+    assert heard == [2, 5] and arrival.done()
