@@ -164,7 +164,7 @@ class EventStreamResponse(Response):
         self._stall_timeout = stall_timeout
         self._last_write = 0.0
         self._direct: Callable[[bytes], bool] | None = None  # the server's DirectBody.write, once started
-        self._clock: Callable[[], float] = time.monotonic  # the loop's, once started
+        self._clock: Callable[[], float] = time.monotonic  # the loop's time from the start on (what pings read)
         self._timer: asyncio.TimerHandle | None = None
         self._pinger: asyncio.Task[None] | None = None
 
@@ -216,7 +216,7 @@ class EventStreamResponse(Response):
     async def _write_frames(self, send: Send, stall: float | None) -> None:
         """Every frame of ``content``, each one write: at once (``write_now``) when the connection takes it, else
         through ASGI's ``send`` (``send_within`` inlined: a frame sent at once costs no coroutine of its own)."""
-        time = asyncio.get_running_loop().time
+        clock = self._clock
         write_now = self.write_now
         send_step = cast("Callable[[Message], Coroutine[Any, Any, None]]", send)  # see _as_coroutine
         async for frame in self._content:
@@ -229,7 +229,7 @@ class EventStreamResponse(Response):
                 pass
             else:
                 await finish_send(step, pending, stall)
-            self._last_write = time()
+            self._last_write = clock()
         # Stopped here, in the step that wrote the last frame: the request's task resumes only a loop round later,
         # and a ping the timer started meanwhile would follow the stream's end frames (``data: [DONE]``).
         self._stop_pings()
