@@ -10,7 +10,7 @@ client is left out (it is a system call whose cost is the kernel's): what is lef
 
 It reports the median time per stream per step twice: with the steps back to back (warm caches), and with the decode
 step's gap between them, the front end idling meanwhile as it does when serving. The difference is the cost of
-waking cold: on the 2-core VM this project is developed on, the same work cost about 2.5x as much after a 12.5 ms
+waking cold: on the 2-core VM this project is developed on, the same work cost 2.3x-4.4x as much after a 12.5 ms
 gap as back to back, which is why the probe's figure is well above what a loop of the same calls suggests.
 
 Usage: ``python bench/output_path.py`` (``--streams 32 --steps 60 --gap 0.0125``); to measure another tree's

@@ -82,7 +82,7 @@ class IncrementalDetokenizer:
 class ByteLevelDetokenizer(IncrementalDetokenizer):
     """Exact and O(1) per token: concatenates token bytes and decodes them. Bytes that end mid-character wait in an
     incremental UTF-8 decoder for the next token; while none wait, a step's bytes are decoded in one C call (the
-    incremental decoder is Python code: on the rank path it was a tenth of the Python run per frame)."""
+    incremental decoder is Python code; ``bench/output_path.py`` measured 6-16% less Python per stream per step)."""
 
     __slots__ = ("_bytes_of", "_decoder", "_holding", "_size")
 
