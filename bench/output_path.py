@@ -64,11 +64,11 @@ async def open_streams(backend: EngineBackend, replay: ReplayedSteps, count: int
         )
         events = backend.generate(request)
         first = asyncio.ensure_future(events.__anext__())
-        while not replay.sinks.keys() - set(ids):
+        while not (added := replay.sinks.keys() - set(ids)):
             if first.done():
                 first.result()  # the request failed before it reached the engine
             await asyncio.sleep(0)
-        (engine_id,) = replay.sinks.keys() - set(ids)
+        (engine_id,) = added
         fed = 0
         while not first.done():  # the first tokens, until one makes a delta (the stream's task gets it)
             replay.sinks[engine_id](0, [EngineOutput(engine_id, tokens[fed], False, "", fed + 1, 10, 0.0, (), ())])

@@ -46,7 +46,7 @@ def test_emoji_split_over_byte_tokens_is_emitted_whole(table: TokenTable) -> Non
 def test_a_character_cut_short_is_replaced_as_a_full_decode_replaces_it() -> None:
     """Bytes held for a character that never completes become U+FFFD, also when whole characters follow them (the
     fast path that decodes whole characters at once must not run past what the decoder holds)."""
-    pieces = [b"\xe2\x82", b"abc", b"\xac", b"d"]  # the first three bytes of a Euro sign, cut by "abc"
+    pieces = [b"\xe2\x82", b"abc", b"\xac", b"d"]  # a Euro sign's first two bytes, cut by "abc"
     detok = ByteLevelDetokenizer(pieces)
     out = [detok.push([i]) for i in range(len(pieces))] + [detok.flush()]
     assert "".join(out) == b"".join(pieces).decode("utf-8", "replace") == "\ufffdabc\ufffdd"
