@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: a free loopback port, a process's CPU time, and a gateway to measure.
+"""What the benchmark scripts share: a free loopback port, a process's CPU time (by thread), and a gateway to measure.
 
 The scripts run as ``python bench/NAME.py``, so this module is importable as ``_gateway``.
 """
@@ -31,6 +31,27 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
+    """User and system CPU seconds of one process's threads, by kind: ``loop`` (the main thread, which runs the
+    event loop), ``zmq`` (ZeroMQ's I/O threads), ``other`` (worker pools); empty once the process is gone."""
+    tick = os.sysconf("SC_CLK_TCK")
+    kinds: dict[str, tuple[float, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kinds
+    for tid in tids:
+        try:
+            head, tail = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)
+        except OSError:
+            continue  # the thread ended meanwhile
+        name, fields = head.split("(", 1)[1], tail.split()
+        kind = "loop" if int(tid) == pid else "zmq" if name.startswith("ZMQbg") else "other"
+        user, system = kinds.get(kind, (0.0, 0.0))
+        kinds[kind] = (user + int(fields[11]) / tick, system + int(fields[12]) / tick)
+    return kinds
 
 
 def children(pid: int) -> list[int]:

@@ -10,7 +10,9 @@ and reports:
 - tokens/s and requests/s;
 - the balance ratio: max / min requests dispatched per rank;
 - CPU per streamed token: the gateway's front-end process(es) (user + system, all threads, from /proc; with
-  several front ends, their sum plus the supervisor's) and its rank workers;
+  several front ends, their sum plus the supervisor's) and its rank workers; the front ends' part split by thread
+  and mode: the event loop's user time (Python: requests, frames) and system time (mostly the frames' socket
+  writes), ZeroMQ's I/O threads (the rank messages);
 - the share of the gateway's CPU per token spent turning engine outputs into text (detokenizing, stop matching:
   ``Choice.consume``), measured offline on the same tokenizer, to decide whether that work should move into
   the workers;
@@ -22,10 +24,12 @@ Usage: ``python bench/data_parallel.py --duration 15 --concurrency 256`` (add ``
 ranks that step together; ``--layouts 2,2x2`` compares one and two front ends in front of two ranks). The probe
 of issue 23: ``--layouts 2,2x2 --concurrency 64 --max-tokens 256``. ``--against ../main/src --rounds 3`` runs every
 layout with this tree and with another checkout's source, interleaved (the order alternating each round), and
-reports each pair's ratio. With ``--simultaneous`` the two trees' gateways serve at the same time, each under the
-same closed-loop load: on a machine shared with other work, both then see the same contention (on a loaded 2-core
-host, one session's interleaved pairs gave ratios from 0.79 to 1.07, its simultaneous pairs from 0.86 to 0.99,
-each layout's within ±3%).
+reports each pair's ratio. With ``--simultaneous`` the two trees' gateways (started in an order that alternates
+each round) serve at the same time, each under the same closed-loop load: on a machine shared with other work,
+both then see the same contention (on a loaded 2-core host, one session's interleaved pairs gave ratios from 0.79
+to 1.07, its simultaneous pairs from 0.86 to 0.99, each layout's within ±3%). Calibrate with two identical trees
+first: on the 2-core VM of issue 23 such pairs gave 0.93 to 1.05 with one front end and 0.99 to 1.07 with two, so
+an effect of a few percent needs many rounds to show.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from _gateway import children, cpu_seconds, serve_gateway
+from _gateway import children, cpu_seconds, serve_gateway, thread_cpu
 
 MODEL = "bench-dp"
 
@@ -170,6 +174,17 @@ def choice_cost_us_per_token(tokens_per_step: int) -> float:
     return 1e6 * elapsed / (rounds * sum(len(s) for s in steps))
 
 
+def threads_cpu(pids: list[int]) -> dict[str, float]:
+    """CPU seconds of the front ends' threads, summed over the processes by kind and mode (``loop user``, ``loop
+    system``, ``zmq user``...): where the front end's CPU per token goes, Python or the kernel."""
+    total: dict[str, float] = {}
+    for pid in pids:
+        for kind, times in thread_cpu(pid).items():
+            for mode, seconds in zip(("user", "system"), times, strict=True):
+                total[f"{kind} {mode}"] = total.get(f"{kind} {mode}", 0.0) + seconds
+    return total
+
+
 def measure(layout: str, args: argparse.Namespace, source: Path | None) -> dict[str, Any]:
     process, base_url, config = start_gateway(layout, args, source)
     try:
@@ -181,9 +196,11 @@ def measure(layout: str, args: argparse.Namespace, source: Path | None) -> dict[
         before = scrape(base_url)
         cpu0 = sum(cpu_seconds(pid) for pid in front_ends)
         wcpu0 = sum(cpu_seconds(w) for w in workers)
+        threads0 = threads_cpu(front_ends)
         load = asyncio.run(run_load(base_url, args.concurrency, args.duration, args.max_tokens))
         cpu1 = sum(cpu_seconds(pid) for pid in front_ends)
         wcpu1 = sum(cpu_seconds(w) for w in workers)
+        threads1 = threads_cpu(front_ends)
         after = scrape(base_url)
         sums = dispatched_sums(base_url, before) if workers else []
     finally:
@@ -207,13 +224,19 @@ def measure(layout: str, args: argparse.Namespace, source: Path | None) -> dict[
         "requests_sent": load["requests"] + load["warm_up"],
         "gateway_cpu_us_per_token": 1e6 * (cpu1 - cpu0) / tokens,
         "gateway_cpu_utilisation": (cpu1 - cpu0) / load["wall_seconds"],
+        "gateway_cpu_us_per_token_by_thread": {
+            part: 1e6 * (seconds - threads0.get(part, 0.0)) / tokens for part, seconds in sorted(threads1.items())
+        },
         "worker_cpu_us_per_token": 1e6 * (wcpu1 - wcpu0) / tokens if workers else None,
     }
 
 
-def measure_simultaneously(layout: str, args: argparse.Namespace, other: Path) -> tuple[float, float]:
-    """Front-end CPU per streamed token of this tree and of ``other``, both serving the same load at once."""
-    started = [start_gateway(layout, args, source) for source in (None, other)]
+def measure_simultaneously(layout: str, args: argparse.Namespace, other: Path, this_first: bool) -> tuple[float, float]:
+    """Front-end CPU per streamed token of this tree and of ``other``, both serving the same load at once. Which
+    starts first alternates between rounds (``this_first``), so that the order favours neither tree: with it fixed,
+    identical trees with two front ends each gave ratios of 1.01-1.07, all on the same side."""
+    sources = (None, other) if this_first else (other, None)
+    started = [start_gateway(layout, args, source) for source in sources]
     try:
         for _, base_url, _ in started:
             for _ in range(20):  # new connections reach every front end: each must be ready
@@ -237,8 +260,8 @@ def measure_simultaneously(layout: str, args: argparse.Namespace, other: Path) -
             process.terminate()
             process.wait(timeout=60)
             config.unlink(missing_ok=True)
-    this, that = (1e6 * (cpu1[i] - cpu0[i]) / (after[i] - before[i]) for i in range(2))
-    return this, that
+    first, second = (1e6 * (cpu1[i] - cpu0[i]) / (after[i] - before[i]) for i in range(2))
+    return (first, second) if this_first else (second, first)
 
 
 def main() -> None:
@@ -262,7 +285,7 @@ def main() -> None:
         pairs = []
         for round_number in range(args.rounds):
             for layout in args.layouts.split(","):
-                this, that = measure_simultaneously(layout, args, args.against.resolve())
+                this, that = measure_simultaneously(layout, args, args.against.resolve(), round_number % 2 == 0)
                 pairs.append({"layout": layout, "round": round_number, "this_tree": this, "against": that})
                 print(
                     f"{layout:>7} round {round_number}: gateway CPU per token, this tree {this:.1f} us, "
@@ -287,10 +310,14 @@ def main() -> None:
                 pair[source] = row
                 balance = f"{row['balance_ratio']:.3f}" if row["balance_ratio"] else "-"
                 worker_cpu = f"{row['worker_cpu_us_per_token']:.1f}" if row["worker_cpu_us_per_token"] else "-"
+                by_thread = ", ".join(
+                    f"{part} {value:.1f}" for part, value in row["gateway_cpu_us_per_token_by_thread"].items() if value
+                )
                 print(
                     f"{layout:>7} [{row['source']}]: {row['tokens_per_second']:8.0f} tok/s  "
                     f"{row['requests_per_second']:6.1f} req/s  balance {balance} {row['requests_per_rank']}  gateway "
-                    f"{row['gateway_cpu_us_per_token']:.1f} us/tok ({row['gateway_cpu_utilisation']:.2f} cores)  "
+                    f"{row['gateway_cpu_us_per_token']:.1f} us/tok ({row['gateway_cpu_utilisation']:.2f} cores; "
+                    f"{by_thread})  "
                     f"workers {worker_cpu} us/tok  dispatched {row['dispatched_in_six_scrapes']} of "
                     f"{row['requests_sent']}",
                     flush=True,
