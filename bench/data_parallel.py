@@ -174,7 +174,7 @@ def choice_cost_us_per_token(tokens_per_step: int) -> float:
     return 1e6 * elapsed / (rounds * sum(len(s) for s in steps))
 
 
-def threads_cpu(pids: list[int]) -> dict[str, float]:
+def cpu_by_thread_kind(pids: list[int]) -> dict[str, float]:
     """CPU seconds of the front ends' threads, summed over the processes by kind and mode (``loop user``, ``loop
     system``, ``zmq user``...): where the front end's CPU per token goes, Python or the kernel."""
     total: dict[str, float] = {}
@@ -196,11 +196,11 @@ def measure(layout: str, args: argparse.Namespace, source: Path | None) -> dict[
         before = scrape(base_url)
         cpu0 = sum(cpu_seconds(pid) for pid in front_ends)
         wcpu0 = sum(cpu_seconds(w) for w in workers)
-        threads0 = threads_cpu(front_ends)
+        threads0 = cpu_by_thread_kind(front_ends)
         load = asyncio.run(run_load(base_url, args.concurrency, args.duration, args.max_tokens))
         cpu1 = sum(cpu_seconds(pid) for pid in front_ends)
         wcpu1 = sum(cpu_seconds(w) for w in workers)
-        threads1 = threads_cpu(front_ends)
+        threads1 = cpu_by_thread_kind(front_ends)
         after = scrape(base_url)
         sums = dispatched_sums(base_url, before) if workers else []
     finally:
