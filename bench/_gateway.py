@@ -24,19 +24,30 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _stat(path: Path) -> tuple[str, list[str]]:
+    """A /proc ``stat`` file: the command name, and the fields after it (the state first); OSError once gone."""
+    head, tail = path.read_text().rsplit(")", 1)  # the name may hold spaces and parentheses: split at the last
+    return head.split("(", 1)[1], tail.split()
+
+
+def _user_system(fields: list[str]) -> tuple[float, float]:
+    """User and system CPU seconds from a ``stat`` file's fields (after the name)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of one process (all its threads), from /proc; 0 once it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        _, fields = _stat(Path(f"/proc/{pid}/stat"))
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(_user_system(fields))
 
 
 def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
     """User and system CPU seconds of one process's threads, by kind: ``loop`` (the main thread, which runs the
     event loop), ``zmq`` (ZeroMQ's I/O threads), ``other`` (worker pools); empty once the process is gone."""
-    tick = os.sysconf("SC_CLK_TCK")
     kinds: dict[str, tuple[float, float]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -44,13 +55,13 @@ def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
         return kinds
     for tid in tids:
         try:
-            head, tail = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)
+            name, fields = _stat(Path(f"/proc/{pid}/task/{tid}/stat"))
         except OSError:
             continue  # the thread ended meanwhile
-        name, fields = head.split("(", 1)[1], tail.split()
         kind = "loop" if int(tid) == pid else "zmq" if name.startswith("ZMQbg") else "other"
-        user, system = kinds.get(kind, (0.0, 0.0))
-        kinds[kind] = (user + int(fields[11]) / tick, system + int(fields[12]) / tick)
+        user, system = _user_system(fields)
+        so_far = kinds.get(kind, (0.0, 0.0))
+        kinds[kind] = (so_far[0] + user, so_far[1] + system)
     return kinds
 
 
@@ -60,7 +71,7 @@ def children(pid: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                if int(_stat(entry / "stat")[1][1]) == pid:
                     found.append(int(entry.name))
             except OSError:
                 continue
