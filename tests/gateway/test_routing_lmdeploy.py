@@ -14,7 +14,7 @@ from gateway.config import GatewayConfig
 
 from ..backends.lmdeploy.harness.server import API_KEY, MODEL_NAME, HarnessNode, make_node
 from ..conftest import RunningGateway, start_gateway, stop_gateway, wait_until
-from .test_routing import _chat, _data_frames, _served_by, _shadow, _targets
+from .test_routing import _assert_whole_answer, _chat, _data_frames, _served_by, _shadow, _targets
 
 FAIL_BEFORE_FIRST_TOKEN = "[[stub fail=INTERNAL_ENGINE_ERROR after=0 tag=routing-fallback]]"
 FAIL_AFTER_TWO_TOKENS = "[[stub fail=INTERNAL_ENGINE_ERROR after=2]]"
@@ -68,7 +68,7 @@ def test_an_lmdeploy_engine_failure_before_the_first_token_falls_back_to_the_ref
     for stream in (False, True):
         response = _chat(http, "lm-first", f"Hello {FAIL_BEFORE_FIRST_TOKEN}", max_tokens=4, stream=stream)
         assert _served_by(response) == "ref"
-        assert "error" not in response.text
+        _assert_whole_answer(response, stream)
     assert _targets(http, "lm-first")["lm"]["failures"] == 2
     assert len(node.events(event="fail", tag="routing-fallback")) == 2, "the node really got and failed them"
     assert _served_by(_chat(http, "lm-first", "Hello again", max_tokens=4)) == "lm"
