@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -10,10 +11,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+import structlog
 import uvicorn
 from fastapi import FastAPI
 from hypothesis import settings
@@ -120,6 +123,22 @@ def start_gateway(
 def stop_gateway(gateway: RunningGateway) -> None:
     gateway.server.should_exit = True
     gateway.thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def captured_logs(gateway: RunningGateway) -> Iterator[list[dict[str, Any]]]:
+    """structlog's lines of the requests the block makes: the capture starts once the gateway has finished every
+    request it was serving, and ends once it has finished those too. A request's access-log line is written after
+    its response's last byte is sent, so a client can have read the whole response (and the block have ended) before
+    the line exists, and an earlier request's line can come after the block started."""
+
+    def idle() -> bool:
+        return not gateway.server.server_state.tasks
+
+    assert wait_until(idle), "a request is still being served"
+    with structlog.testing.capture_logs() as logs:
+        yield logs
+        assert wait_until(idle), "a request is still being served"
 
 
 def logged_error_detail(logs: list[dict[str, object]]) -> str:

@@ -10,13 +10,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig
 
 from ..conformance import OpenAISchemas
-from ..conftest import MODEL, TINY_MODEL, RunningGateway, start_gateway, stop_gateway
+from ..conftest import MODEL, TINY_MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway
 
 USER = [{"role": "user", "content": "hi"}]
 UNROUTED = (("backend", ""), ("model", ""))
@@ -416,7 +415,7 @@ def test_a_500_is_counted_and_logged_too() -> None:
     try:
         with httpx.Client(base_url=running.base_url, timeout=30) as http:
             before = _status_total(http, "500")
-            with structlog.testing.capture_logs() as logs:
+            with captured_logs(running) as logs:
                 # A connection of its own: uvicorn closes the connection after an unhandled exception.
                 response = httpx.post(f"{running.base_url}/v1/chat/completions", json={"model": "m", "messages": USER})
             assert response.status_code == 500

@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import structlog
 from tokenizers import Tokenizer
 
 from backends.config import ReferenceBackendConfig
@@ -22,7 +21,7 @@ from gateway.admission import AdmittedBackend
 from gateway.config import GatewayConfig
 from gateway.limits import AdmissionGate
 
-from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
+from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway, wait_until
 from ..processes import free_port
 
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "ignore_eos": True}
@@ -102,7 +101,7 @@ def test_no_first_token_within_the_idle_timeout_gets_504() -> None:
     config.server.idle_timeout = 0.3
     running = start_gateway(config)
     try:
-        with structlog.testing.capture_logs() as logs:
+        with captured_logs(running) as logs:
             response = httpx.post(f"{running.base_url}/v1/chat/completions", json=LONG, timeout=30)
         assert response.status_code == 504
         assert response.json()["error"]["code"] == "timeout"
@@ -203,7 +202,7 @@ def test_server_errors_show_a_generic_message_and_the_request_id_and_log_the_det
     running = start_gateway(config, wait_for="/health")
     try:
         body = {"model": "gone", "messages": [{"role": "user", "content": "hi"}]}
-        with structlog.testing.capture_logs() as logs:
+        with captured_logs(running) as logs:
             refused = httpx.post(f"{running.base_url}/v1/chat/completions", json=body, timeout=30)
         assert refused.status_code == 503
         request_id = refused.headers["x-request-id"]

@@ -11,7 +11,6 @@ from typing import Any, Literal
 import httpx
 import openai
 import pytest
-import structlog
 from pydantic import BaseModel, Field
 
 from backends.config import ReferenceBackendConfig
@@ -19,7 +18,7 @@ from backends.interface import Backend, Event, GenerateRequest, Usage
 from backends.registry import build_backend
 from gateway.config import GatewayConfig
 
-from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
+from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway, wait_until
 from ..responses_conformance import ConformingTransport, check_event, check_item_list, check_response, sse_events
 
 QUESTION = "Tell me about the module."
@@ -419,7 +418,7 @@ def test_a_stream_past_its_deadline_ends_with_response_failed_and_is_not_stored(
     try:
         with httpx.Client(base_url=running.base_url, timeout=30) as client:
             with (
-                structlog.testing.capture_logs() as logs,
+                captured_logs(running) as logs,
                 client.stream("POST", "/v1/responses", json=body) as response,
             ):
                 assert response.status_code == 200

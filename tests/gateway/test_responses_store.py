@@ -13,7 +13,6 @@ import httpx
 import openai
 import orjson
 import pytest
-import structlog
 from pydantic import ValidationError
 
 from gateway.config import GatewayConfig
@@ -23,7 +22,7 @@ from gateway.responses.redis_store import RedisResponseStore
 from gateway.responses.sqlite_store import SQLiteResponseStore
 from gateway.responses.store import StoredResponses, open_response_store
 
-from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway
+from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway
 from ..valkey import ValkeyServer
 
 
@@ -236,7 +235,7 @@ def test_a_store_that_cannot_write_is_counted_and_answers_500s_never_crashes(tmp
         client = _client(running)
         created = client.responses.create(model=MODEL, input="hi", max_output_tokens=4)
         assert created.output_text is not None
-        with structlog.testing.capture_logs() as logs, pytest.raises(openai.InternalServerError) as caught:
+        with captured_logs(running) as logs, pytest.raises(openai.InternalServerError) as caught:
             client.responses.retrieve(created.id)
         request_id = caught.value.response.headers["x-request-id"]
         message = caught.value.response.json()["error"]["message"]

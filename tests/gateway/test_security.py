@@ -7,11 +7,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-import structlog
 
 from gateway.config import GatewayConfig
 
-from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway
+from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway
 
 CLIENT_KEY = "sk-client-0123456789"
 LIMITED_KEY = "sk-limited-0123456789"
@@ -164,7 +163,7 @@ def test_tokens_per_minute_limit_blocks_after_the_budget_is_spent(secured: Runni
 
 def test_access_log_names_the_key_and_covers_rejected_requests(secured: RunningGateway) -> None:
     headers = {"Authorization": f"Bearer {LIMITED_KEY}"}
-    with structlog.testing.capture_logs() as logs:
+    with captured_logs(secured) as logs:
         httpx.post(f"{secured.base_url}/v1/chat/completions", json={"model": MODEL, "messages": "x"}, headers=headers)
         httpx.post(
             f"{secured.base_url}/v1/chat/completions",

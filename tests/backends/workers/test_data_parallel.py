@@ -14,12 +14,11 @@ import threading
 import httpx
 import numpy as np
 import orjson
-import structlog
 import zmq
 
 from backends.workers import messages as m
 
-from ...conftest import RunningGateway, logged_error_detail, wait_until
+from ...conftest import RunningGateway, captured_logs, logged_error_detail, wait_until
 from .conftest import chat, clock_of, driver_of, holding_rank, open_stream, steps
 from .peer import RankPeer
 
@@ -175,7 +174,7 @@ def test_killed_worker_fails_its_requests_cleanly_and_comes_back(
 ) -> None:
     driver = driver_of(dp_gateway, "dp")
     with clock_of(dp_gateway, "dp").held():  # the restart waits until the degraded state was looked at
-        with structlog.testing.capture_logs() as logs, open_stream(http, "dp", 2000) as stream:
+        with captured_logs(dp_gateway) as logs, open_stream(http, "dp", 2000) as stream:
             next(stream)
             victim = driver.ranks[holding_rank(dp_gateway, "dp")]
             assert victim.process is not None
@@ -258,7 +257,7 @@ def test_lockstep_abort_mid_stream_leaves_the_group_serving(dp_gateway: RunningG
 def test_lockstep_rank_death_restarts_the_whole_group(dp_gateway: RunningGateway, http: httpx.Client) -> None:
     driver = driver_of(dp_gateway, "lockstep")
     with clock_of(dp_gateway, "lockstep").held():
-        with structlog.testing.capture_logs() as logs, open_stream(http, "lockstep", 2000) as stream:
+        with captured_logs(dp_gateway) as logs, open_stream(http, "lockstep", 2000) as stream:
             next(stream)
             busy = holding_rank(dp_gateway, "lockstep")
             old_pids = [r.process.pid for r in driver.ranks if r.process is not None]

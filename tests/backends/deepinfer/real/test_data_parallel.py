@@ -18,9 +18,8 @@ import httpx
 import openai
 import orjson
 import pytest
-import structlog
 
-from ....conftest import RunningGateway, logged_error_detail, stop_gateway, wait_until
+from ....conftest import RunningGateway, captured_logs, logged_error_detail, stop_gateway, wait_until
 from ...workers.conftest import (
     chat,
     driver_of,
@@ -174,7 +173,7 @@ def test_a_killed_rank_restarts_the_whole_group_and_its_requests_fail_cleanly(
     restarts the whole group, and the request on the killed rank ends with an error event."""
     driver = driver_of(served, MODEL)
     old_pids = [r.pid for r in driver.ranks]
-    with structlog.testing.capture_logs() as logs, open_stream(http, MODEL, 900) as stream:
+    with captured_logs(served) as logs, open_stream(http, MODEL, 900) as stream:
         next(stream)
         victim = driver.ranks[holding_rank(served, MODEL)]
         assert victim.pid is not None
