@@ -125,20 +125,22 @@ def stop_gateway(gateway: RunningGateway) -> None:
     gateway.thread.join(timeout=30)
 
 
+def requests_done(gateway: RunningGateway) -> bool:
+    """Whether the gateway has finished every request it was serving, down to what it does after a response's last
+    byte (its access-log line, its server span's end)."""
+    return not gateway.server.server_state.tasks
+
+
 @contextlib.contextmanager
 def captured_logs(gateway: RunningGateway) -> Iterator[list[dict[str, Any]]]:
     """structlog's lines of the requests the block makes: the capture starts once the gateway has finished every
     request it was serving, and ends once it has finished those too. A request's access-log line is written after
     its response's last byte is sent, so a client can have read the whole response (and the block have ended) before
     the line exists, and an earlier request's line can come after the block started."""
-
-    def idle() -> bool:
-        return not gateway.server.server_state.tasks
-
-    assert wait_until(idle), "a request is still being served"
+    assert wait_until(lambda: requests_done(gateway)), "a request is still being served"
     with structlog.testing.capture_logs() as logs:
         yield logs
-        assert wait_until(idle), "a request is still being served"
+        assert wait_until(lambda: requests_done(gateway)), "a request is still being served"
 
 
 def logged_error_detail(logs: list[dict[str, object]]) -> str:

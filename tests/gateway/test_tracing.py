@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig
 
-from ..conftest import RunningGateway, start_gateway, stop_gateway, wait_until
+from ..conftest import RunningGateway, requests_done, start_gateway, stop_gateway, wait_until
 from ..otlp import OTLPReceiver, ReceivedSpan
 from ..processes import free_port, front_ends, is_ready
 
@@ -116,9 +116,14 @@ def client(traced: RunningGateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{traced.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def exported(gateway: RunningGateway) -> bool:
+    """Every span of the requests made so far sent: a request's server span ends after its response's last byte."""
+    assert wait_until(lambda: requests_done(gateway)), "a request is still being served"
+    return gateway.state.tracing is not None and gateway.state.tracing.flush()
+
+
 def trace_of(gateway: RunningGateway, receiver: OTLPReceiver, trace_id: str) -> list[ReceivedSpan]:
-    assert gateway.state.tracing is not None
-    assert gateway.state.tracing.flush()
+    assert exported(gateway)
     return receiver.spans(trace_id)
 
 
@@ -230,7 +235,7 @@ def test_a_request_without_trace_context_starts_a_trace_of_its_own(
 ) -> None:
     response = chat(traced.base_url, "m", {"X-Request-ID": "untraced-caller-1"})
     assert response.status_code == 200
-    assert traced.state.tracing is not None and traced.state.tracing.flush()
+    assert exported(traced)
     server = [s for s in receiver.spans() if s.attributes.get("gateway.request_id") == "untraced-caller-1"]
     assert len(server) == 1 and server[0].parent_span_id == ""
     assert {s.name for s in receiver.spans(server[0].trace_id)} >= {"gateway.route", "chat m"}
