@@ -168,16 +168,25 @@ def test_too_long_prompt_is_a_context_length_error(client: openai.OpenAI) -> Non
 
 def test_metrics_export_engine_statistics(served: RunningGateway, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="count these words please", max_tokens=30)
-    text = httpx.get(f"{served.base_url}/metrics").text
-    samples = {
-        line.split(" ")[0]: float(line.split(" ")[1])
-        for line in text.splitlines()
-        if line.startswith("gateway_engine_") and 'backend="deepinfer"' in line
-    }
     label = '{backend="deepinfer"}'
-    assert samples[f"gateway_engine_running_requests{label}"] == 0
-    assert samples[f"gateway_engine_waiting_requests{label}"] == 0
-    assert samples[f"gateway_engine_kv_cache_usage_ratio{label}"] == 0
+    gauges = ("running_requests", "waiting_requests", "kv_cache_usage_ratio")
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{served.base_url}/metrics").text
+        return {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in text.splitlines()
+            if line.startswith("gateway_engine_") and 'backend="deepinfer"' in line
+        }
+
+    def gauges_at_zero() -> bool:
+        samples = scrape()
+        return all(samples[f"gateway_engine_{gauge}{label}"] == 0 for gauge in gauges)
+
+    # The gauges are the engine's as of its last step, and the step that retires a finished request comes after
+    # the one that returned its last output (which the client may already have): idle, they all come back to 0.
+    assert wait_until(gauges_at_zero), scrape()
+    samples = scrape()
     assert f"gateway_engine_preempted_requests_total{label}" in samples
     assert f"gateway_engine_aborted_requests_total{label}" in samples
     drafted = samples[f"gateway_engine_spec_decode_draft_tokens_total{label}"]
