@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -23,12 +24,19 @@ def chunk(content: str | None = None, *, reasoning: str | None = None, finish: s
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def sse(frames: list[dict | str], *, pause: float = 0.0, done: bool = True) -> Handler:
+def sse(
+    frames: list[dict | str], *, pause: float = 0.0, done: bool = True, written: list[float] | None = None
+) -> Handler:
+    """Serves ``frames`` as SSE, ``pause`` seconds apart; ``written`` gets the ``perf_counter`` (the load generator's
+    clock, in the same process) at which each frame was written."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for frame in frames:
             payload = frame.encode() if isinstance(frame, str) else b"data: " + orjson.dumps(frame)
+            if written is not None:
+                written.append(time.perf_counter())
             await response.write(payload + b"\n\n")
             await asyncio.sleep(pause)
         if done:
@@ -64,11 +72,12 @@ async def run_against(handler: Handler) -> RequestRecord:
 async def test_role_only_and_empty_chunks_do_not_stop_the_ttft_clock() -> None:
     frames = [ROLE, chunk(""), chunk("Hel"), chunk(reasoning="think"), chunk("lo", finish="length")]
     frames.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}})
-    record = await run_against(sse(frames, pause=0.01))
+    written: list[float] = []
+    record = await run_against(sse(frames, pause=0.01, written=written))
     assert record.ok
     assert len(record.token_times) == 3  # "Hel", the reasoning chunk, "lo"
-    assert record.first_chunk is not None and record.first_chunk < record.token_times[0]
-    assert record.token_times[0] - record.first_chunk >= 0.015  # two pauses passed before the first token
+    assert record.first_chunk is not None and written[0] <= record.first_chunk < record.token_times[0]
+    assert record.token_times[0] >= written[2], "the first token is the first text, written after two pauses"
     assert (record.prompt_tokens, record.output_tokens, record.finish_reason) == (5, 4, "length")
     assert record.tokens == 4  # the server's count wins over the number of chunks
 
