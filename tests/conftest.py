@@ -125,10 +125,10 @@ def stop_gateway(gateway: RunningGateway) -> None:
     gateway.thread.join(timeout=30)
 
 
-def requests_done(gateway: RunningGateway) -> bool:
-    """Whether the gateway has finished every request it was serving, down to what it does after a response's last
-    byte (its access-log line, its server span's end)."""
-    return not gateway.server.server_state.tasks
+def wait_for_requests_done(gateway: RunningGateway) -> None:
+    """Waits until the gateway has finished every request it was serving, down to what it does after a response's
+    last byte (its access-log line, its server span's end)."""
+    assert wait_until(lambda: not gateway.server.server_state.tasks), "a request is still being served"
 
 
 @contextlib.contextmanager
@@ -137,10 +137,10 @@ def captured_logs(gateway: RunningGateway) -> Iterator[list[dict[str, Any]]]:
     request it was serving, and ends once it has finished those too. A request's access-log line is written after
     its response's last byte is sent, so a client can have read the whole response (and the block have ended) before
     the line exists, and an earlier request's line can come after the block started."""
-    assert wait_until(lambda: requests_done(gateway)), "a request is still being served"
+    wait_for_requests_done(gateway)
     with structlog.testing.capture_logs() as logs:
         yield logs
-        assert wait_until(lambda: requests_done(gateway)), "a request is still being served"
+        wait_for_requests_done(gateway)
 
 
 def logged_error_detail(logs: list[dict[str, object]]) -> str:

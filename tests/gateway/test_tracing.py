@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig
 
-from ..conftest import RunningGateway, requests_done, start_gateway, stop_gateway, wait_until
+from ..conftest import RunningGateway, start_gateway, stop_gateway, wait_for_requests_done, wait_until
 from ..otlp import OTLPReceiver, ReceivedSpan
 from ..processes import free_port, front_ends, is_ready
 
@@ -118,7 +118,7 @@ def client(traced: RunningGateway) -> openai.OpenAI:
 
 def exported(gateway: RunningGateway) -> bool:
     """Every span of the requests made so far sent: a request's server span ends after its response's last byte."""
-    assert wait_until(lambda: requests_done(gateway)), "a request is still being served"
+    wait_for_requests_done(gateway)
     return gateway.state.tracing is not None and gateway.state.tracing.flush()
 
 
