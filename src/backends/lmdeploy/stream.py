@@ -18,6 +18,7 @@ from backends.engine.stop import StopMatcher
 from backends.errors import UnavailableError, UpstreamError
 from backends.interface import Delta, Finish, TokenLogprob, ToolCallDelta, TopLogprob
 from backends.lmdeploy.errors import UpstreamFailure, failure_from_frame, node_failure
+from backends.lmdeploy.proxy import failure_from_proxy_code
 
 DONE = b"[DONE]"
 
@@ -32,6 +33,8 @@ MAX_EVENT_BYTES = 4 * 1024 * 1024
 
 class SSEReader:
     """Splits a body into the payloads of its ``data:`` lines, one per event; comments and blank events skipped.
+    A line that is a JSON object outside any ``data:`` line (LMDeploy's proxy writes its errors so) is a payload
+    of its own; the extra blank line the proxy writes after each event is dropped.
 
     The unfinished event waits in one buffer that only grows by what arrives (each byte is scanned for the event
     boundary once) and never beyond ``max_event_bytes``: a node that sends more without ending an event fails
@@ -98,14 +101,21 @@ class SSEReader:
             )
 
     def _event(self, event: bytes) -> None:
+        if event[:1] == b"\n":  # LMDeploy's proxy ends every event with one more blank line
+            event = event.lstrip(b"\n")
         if event.startswith(b"data:") and b"\n" not in event:  # the usual case: one data line
             self._payloads.append(event[6:] if event[5:6] == b" " else event[5:])
             return
-        lines = [
-            line[6:] if line[5:6] == b" " else line[5:] for line in event.split(b"\n") if line.startswith(b"data:")
-        ]
+        lines = []
+        unframed = []
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                lines.append(line[6:] if line[5:6] == b" " else line[5:])
+            elif line.startswith(b"{"):  # a JSON line outside SSE: how LMDeploy's proxy sends its errors
+                unframed.append(line)
         if lines:
             self._payloads.append(b"\n".join(lines))
+        self._payloads.extend(unframed)
 
 
 def token_text(token: str, raw: Sequence[int], byte_level: bool) -> tuple[str, list[int]]:
@@ -240,6 +250,8 @@ class ChoiceStream:
             raise node_failure(message, kind="protocol")
         if "error" in chunk:
             raise failure_from_frame(chunk["error"], self.node)
+        if "error_code" in chunk:
+            raise failure_from_proxy_code(chunk["error_code"], chunk.get("text"), self.node)
         try:
             parts = self._chat(chunk) if self.chat else self._generate(chunk)
         except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:  # valid JSON, wrong shape

@@ -17,6 +17,7 @@ from backends.errors import BackendTimeoutError
 from backends.interface import Delta, Finish, GenerateRequest
 from backends.lmdeploy.errors import UpstreamFailure, failure_from_status, node_failure
 from backends.lmdeploy.nodes import Node
+from backends.lmdeploy.proxy import proxy_lost_model
 from backends.lmdeploy.stream import DONE, ChoiceStream, SSEReader, coalesce
 from backends.lmdeploy.translate import UpstreamPlan
 
@@ -116,7 +117,10 @@ class UpstreamClient:
                         node.url + plan.path, data=body, headers=headers, timeout=self._request_timeout
                     )
                     if response.status != 200:
-                        raise failure_from_status(response.status, await _bounded_body(response), node.url)
+                        failure = failure_from_status(response.status, await _bounded_body(response), node.url)
+                        if node.kind == "proxy" and failure.kind == "model":
+                            failure = proxy_lost_model(failure.error.message, node.url)
+                        raise failure
                     reader = SSEReader(response.content, node=node.url)
                     payload = await reader.next()
             except TimeoutError:
