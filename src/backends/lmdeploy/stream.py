@@ -210,6 +210,7 @@ class ChoiceStream:
     __slots__ = (
         "byte_level",
         "chat",
+        "completions",
         "finish_reason",
         "finished",
         "index",
@@ -223,9 +224,20 @@ class ChoiceStream:
         "want_top",
     )
 
-    def __init__(self, index: int, *, chat: bool, stops: list[str], want_top: int, byte_level: bool, node: str) -> None:
+    def __init__(
+        self,
+        index: int,
+        *,
+        chat: bool,
+        stops: list[str],
+        want_top: int,
+        byte_level: bool,
+        node: str,
+        completions: bool = False,
+    ) -> None:
         self.index = index
         self.chat = chat
+        self.completions = completions  # /v1/completions chunks (through a proxy) rather than /generate's
         self.stop = StopMatcher(stops) if stops else None
         self.want_top = want_top
         self.byte_level = byte_level
@@ -253,7 +265,10 @@ class ChoiceStream:
         if "error_code" in chunk:
             raise failure_from_proxy_code(chunk["error_code"], chunk.get("text"), self.node)
         try:
-            parts = self._chat(chunk) if self.chat else self._generate(chunk)
+            if self.chat:
+                parts = self._chat(chunk)
+            else:
+                parts = self._completion(chunk) if self.completions else self._generate(chunk)
         except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:  # valid JSON, wrong shape
             message = f"LMDeploy node {self.node} sent a chunk of the wrong shape: {payload[:200]!r}"
             raise node_failure(message, kind="protocol") from exc
@@ -297,6 +312,19 @@ class ChoiceStream:
         elif text or reasoning or tool_calls:  # a node without return_token_ids: at least a token a chunk
             self.tokens += 1
         return _Parts(_text(text), _text(reasoning), tool_calls, logprobs, _reason(choice.get("finish_reason")))
+
+    def _completion(self, chunk: dict[str, Any]) -> _Parts | None:
+        usage = chunk.get("usage")
+        if usage:
+            self.usage = (_count(usage.get("prompt_tokens", 0)), _count(usage.get("completion_tokens", 0)))
+        choices = chunk.get("choices")
+        if not choices:
+            return None
+        choice = choices[0]
+        text = _text(choice.get("text") or "")
+        if text:  # no token ids in these chunks: at least a token a chunk, until the usage at the end
+            self.tokens += 1
+        return _Parts(text, "", None, None, _reason(choice.get("finish_reason")))
 
     def _generate(self, chunk: dict[str, Any]) -> _Parts:
         meta = chunk.get("meta_info") or {}

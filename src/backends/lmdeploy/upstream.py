@@ -88,10 +88,13 @@ class UpstreamClient:
         session = self._session
         loop = asyncio.get_running_loop()
         upstream_model = model or node.model or ""
+        if node.kind == "proxy":
+            plan = plan.via_proxy()
         body = orjson.dumps(plan.body_for(index, upstream_model))
         stream = ChoiceStream(
             index,
             chat=plan.chat,
+            completions=plan.completions,
             stops=request.sampling.stop,
             want_top=plan.want_top_logprobs,
             byte_level=self._config.logprob_tokens == "byte_level",

@@ -113,6 +113,21 @@ def test_a_responses_request_through_the_proxy_is_served_as_chat(client: openai.
     assert len(node.events(event="start", tag="px-resp")) == 1
 
 
+def test_text_completions_go_to_the_proxys_completions_route(
+    client: openai.OpenAI, http: httpx.Client, node: HarnessNode
+) -> None:
+    """The proxy has no /generate: a text prompt goes to its /v1/completions; a token-id prompt cannot go."""
+    reply = client.completions.create(model=PUBLIC_MODEL, prompt="The quick brown fox [[stub tag=px-cmpl]]")
+    assert reply.choices[0].text == "The quick brown fox" and reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None and reply.usage.completion_tokens == 4 and reply.usage.prompt_tokens > 4
+    streamed = list(client.completions.create(model=PUBLIC_MODEL, prompt="one two three", max_tokens=2, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "one two"
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert len(node.events(event="finish", tag="px-cmpl")) == 1
+    refused = http.post("/v1/completions", json={"model": PUBLIC_MODEL, "prompt": [315, 441]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+
+
 def test_a_client_that_leaves_closes_the_stream_through_the_proxy(http: httpx.Client, node: HarnessNode) -> None:
     words = " ".join(f"w{i}" for i in range(20))
     body = {"model": PUBLIC_MODEL, "messages": _say(f"{words} [[stub delay=0.2 tag=px-leave]]"), "stream": True}
