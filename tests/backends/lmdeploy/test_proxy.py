@@ -21,7 +21,7 @@ from gateway.config import GatewayConfig
 from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
 from ...gateway.test_routing import _assert_whole_answer, _samples, _served_by
 from .conftest import MAIN_NODE_ARGS, PUBLIC_MODEL, backend_config, gateway_config, running_backend
-from .harness.proxy import PREFILL, HarnessProxy, make_proxy
+from .harness.proxy import DECODE, PREFILL, HarnessProxy, make_proxy
 from .harness.server import API_KEY, HarnessNode, make_node
 from .test_backend import chat, collect
 
@@ -268,3 +268,56 @@ async def test_a_request_the_proxy_cannot_route_any_more_is_unavailable_not_a_mi
                 await collect(backend, chat("Hello"))
         finally:
             lossy.add(lonely)
+
+
+# DistServe: a proxy with a Prefill and a Decode node (PyTorch backend, stub engine). Prefill runs; the KV
+# migration's P-D connection needs RDMA (DLSlime or Mooncake), which the stub engine has not.
+
+PD_NODE_ARGS = ("--model-name", "stub-model", "--session-len", "256", "--backend", "pytorch")
+
+
+@pytest.fixture(scope="module")
+def distserve(harness_dir: Path, model_dir: Path) -> Iterator[tuple[HarnessProxy, HarnessNode, HarnessNode]]:
+    workdir = harness_dir / "distserve"
+    prefill = make_node(workdir, "prefill", *PD_NODE_ARGS, "--role", "Prefill", model_dir=model_dir)
+    decode = make_node(workdir, "decode", *PD_NODE_ARGS, "--role", "Decode", model_dir=model_dir)
+    prefill.launch()
+    decode.launch()
+    proxy = make_proxy(workdir, "--serving-strategy", "DistServe")
+    try:
+        proxy.start()
+        prefill.wait_ready()
+        decode.wait_ready()
+        proxy.add(prefill, role=PREFILL)
+        proxy.add(decode, role=DECODE)
+        yield proxy, prefill, decode
+    finally:
+        proxy.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_distserve_proxy_is_ready_with_prefill_and_decode_and_its_failures_are_502s(
+    distserve: tuple[HarnessProxy, HarnessNode, HarnessNode],
+) -> None:
+    proxy, prefill, decode = distserve
+    running = start_gateway(GatewayConfig(**_single(backend_config([proxy.url], api_key=None))))
+    try:
+        backend = unwrapped(running.state.backends["lm"])
+        assert isinstance(backend, LMDeployBackend)
+        assert backend.pool.nodes[0].reason == "proxy with 1 Prefill + 1 Decode node(s) serving stub-model"
+        with httpx.Client(base_url=running.base_url, timeout=60) as http:
+            body = {"model": PUBLIC_MODEL, "messages": _say("Hello world [[stub tag=pd]]"), "max_tokens": 8}
+            answer = http.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 502 and answer.json()["error"]["type"] == "server_error", answer.text
+            assert _node_errors(http, proxy) == {"server": 1}, "the proxy's plain-text 500 (PDConnection Failure)"
+    finally:
+        stop_gateway(running)
+    (started,) = prefill.events(event="start", tag="pd")
+    assert started["max_new_tokens"] == 1, "the proxy's prefill request reached the Prefill node"
+    assert not decode.events(event="start", tag="pd"), "no decode without the KV migration's connection"
+
+
+def _single(lm: dict[str, Any]) -> dict[str, Any]:
+    breaker = {"failure_threshold": 1000}
+    return {"backends": [lm], "models": [{"name": PUBLIC_MODEL, "backends": ["lm"], "circuit_breaker": breaker}]}
