@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from backends.lmdeploy.proxy import proxy_view
+from backends.lmdeploy.proxy import ProxyView, proxy_view
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class Node:
 
     url: str
     kind: str = "auto"  # "api_server" or "proxy" (lmdeploy serve proxy); "auto" until the first probe tells
+    proxy_view: ProxyView | None = None  # a proxy's nodes for the model, as its last /nodes/status listed them
     healthy: bool = False
     reason: str = "not probed yet"
     model: str | None = None  # served model name, configured or discovered from /v1/models
@@ -196,6 +197,7 @@ class NodePool:
         """A proxy is healthy while its own view of its nodes can serve the model (``/nodes/status``) and it
         answers ``/v1/models`` with the gateway's key, listing that model (see ``proxy.py``)."""
         assert self._session is not None
+        node.proxy_view = None
         async with self._session.get(f"{node.url}/nodes/status", timeout=self._probe_timeout) as response:
             body = await response.read()
         if response.status != 200:
@@ -213,6 +215,7 @@ class NodePool:
         except (orjson.JSONDecodeError, ValueError) as exc:
             self._mark_out(node, f"proxy /nodes/status unreadable: {exc}")
             return
+        node.proxy_view = view
         reason = view.describe(node.model)
         if not view.serving or listed is None:
             self._mark_out(node, reason)

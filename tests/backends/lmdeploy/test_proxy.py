@@ -22,7 +22,7 @@ from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
 from ...gateway.test_routing import _assert_whole_answer, _samples, _served_by
 from .conftest import MAIN_NODE_ARGS, PUBLIC_MODEL, backend_config, gateway_config, running_backend
 from .harness.proxy import DECODE, PREFILL, HarnessProxy, make_proxy
-from .harness.server import API_KEY, HarnessNode, make_node
+from .harness.server import API_KEY, HarnessNode, free_port, make_node
 from .test_backend import chat, collect
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -70,6 +70,7 @@ def test_the_proxy_is_recognised_and_ready_from_its_view_of_its_nodes(
     assert backend.readiness() == (True, "1/1 LMDeploy nodes healthy")
     (only,) = backend.pool.nodes
     assert only.kind == "proxy" and only.reason == "proxy with 1 Hybrid node(s) serving stub-model"
+    assert _proxy_nodes(http, only.url) == {"Hybrid": 1, "Prefill": 0, "Decode": 0}
 
 
 def test_chat_and_stream_through_the_proxy(client: openai.OpenAI, node: HarnessNode) -> None:
@@ -194,6 +195,15 @@ def _node_errors(http: httpx.Client, proxy: HarnessProxy) -> dict[str, float]:
     return found
 
 
+def _proxy_nodes(http: httpx.Client, proxy: str) -> dict[str, float]:
+    """``gateway_lmdeploy_proxy_nodes`` of the proxy, by role."""
+    return {
+        dict(labels)["role"]: value
+        for (name, labels), value in _samples(http).items()
+        if name == "gateway_lmdeploy_proxy_nodes" and dict(labels).get("node") == proxy
+    }
+
+
 def _ask(http: httpx.Client, model: str, *, stream: bool) -> httpx.Response:
     body = {"model": model, "messages": _say("Hello there"), "max_tokens": 4, "stream": stream}
     return http.post("/v1/chat/completions", json=body)
@@ -202,7 +212,10 @@ def _ask(http: httpx.Client, model: str, *, stream: bool) -> httpx.Response:
 def test_a_200_wrapped_proxy_error_is_a_502_and_trips_the_breaker_to_the_fallback(
     watched_http: httpx.Client, lossy: HarnessProxy, lonely: HarnessNode
 ) -> None:
-    lonely.kill()  # the proxy still lists it (its own sweep is 90 s away) and answers 200 {"error_code": 10402}
+    # A node that died: the proxy lists it until its sweep 90 s later, and answers 200 {"error_code": 10402}.
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: refused, as a killed node's port
+    lossy.add(dead)  # first, so the proxy never lists no node (the gateway would be not ready meanwhile)
+    lossy.remove(lonely)
     try:
         for stream in (False, True):
             failed = _ask(watched_http, "lm-only", stream=stream)
@@ -218,8 +231,8 @@ def test_a_200_wrapped_proxy_error_is_a_502_and_trips_the_breaker_to_the_fallbac
         assert circuits["lm-first"] == "open", circuits
         assert _served_by(_ask(watched_http, "lm-first", stream=False)) == "ref"
     finally:
-        lonely.start()
-    assert lossy.status(), "the proxy still lists the node that came back"
+        lossy.add(lonely)
+        lossy.remove(dead)
     assert _ask(watched_http, "lm-only", stream=False).status_code == 200
 
 
@@ -232,6 +245,7 @@ def test_the_proxy_losing_its_last_node_unreadies_the_gateway_and_answers_503(
         assert wait_until(lambda: watched_http.get("/ready").status_code == 503, timeout=30)
         models = watched_http.get("/ready").json()["models"]
         assert models["lm-only"] == {"routable": False, "ready_backends": []}
+        assert _proxy_nodes(watched_http, lossy.url) == {"Hybrid": 0, "Prefill": 0, "Decode": 0}
         for stream in (False, True):
             answer = _ask(watched_http, "lm-only", stream=stream)
             assert answer.status_code == 503, answer.text

@@ -70,14 +70,16 @@ class HarnessProxy:
         self.stop()
         raise RuntimeError(f"LMDeploy proxy not up after {ready_timeout} s:\n{self._log_tail()}")
 
-    def add(self, node: HarnessNode, *, role: int = HYBRID, model: str = MODEL_NAME) -> None:
-        """Registers ``node`` as the api_server would with ``--proxy-url`` (models and role given)."""
-        body = {"url": node.url, "status": {"models": [model], "role": role}}
+    def add(self, node: HarnessNode | str, *, role: int = HYBRID, model: str = MODEL_NAME) -> None:
+        """Registers ``node`` (or a url) as the api_server would with ``--proxy-url`` (models and role given)."""
+        url = node if isinstance(node, str) else node.url
+        body = {"url": url, "status": {"models": [model], "role": role}}
         answer = httpx.post(f"{self.url}/nodes/add", json=body, timeout=10)
         assert answer.status_code == 200 and "success" in answer.text.lower(), answer.text
 
-    def remove(self, node: HarnessNode) -> None:
-        answer = httpx.post(f"{self.url}/nodes/remove", json={"url": node.url}, timeout=10)
+    def remove(self, node: HarnessNode | str) -> None:
+        url = node if isinstance(node, str) else node.url
+        answer = httpx.post(f"{self.url}/nodes/remove", json={"url": url}, timeout=10)
         assert answer.status_code == 200 and "success" in answer.text.lower(), answer.text
 
     def status(self) -> dict[str, Any]:
