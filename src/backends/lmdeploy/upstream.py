@@ -182,7 +182,7 @@ class UpstreamClient:
             else:
                 completion_tokens = stream.tokens
                 prompt_tokens = stream.usage[0] if stream.usage else None
-                if prompt_tokens is None and plan.chat:
+                if prompt_tokens is None and plan.chat and node.kind != "proxy":  # a proxy has no count_tokens
                     if response is not None:
                         response.close()  # stop the engine before asking the node to count
                     prompt_tokens = await self.count_prompt_tokens(node, request, upstream_model)
