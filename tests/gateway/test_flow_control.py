@@ -42,6 +42,7 @@ KEYS = {
     "heavy": "sk-heavy-0000000003",  # weight 3
     "standard": "sk-standard-00000004",  # may not use priority; flex by default
     "budget": "sk-budget-0000000005",  # a token budget that fits exactly one request
+    "premium": "sk-premium-000000006",  # priority by default
 }
 HI = [{"role": "user", "content": "hi"}]
 
@@ -60,6 +61,7 @@ def _config(budget_tokens: int) -> GatewayConfig:
                     "default_service_tier": "flex",
                 },
                 {"key": KEYS["budget"], "name": "budget", "tokens_per_minute": budget_tokens},
+                {"key": KEYS["premium"], "name": "premium", "default_service_tier": "priority"},
             ],
             "admin_api_key": "sk-admin-000000000",
         },
@@ -299,9 +301,11 @@ def test_the_tier_a_key_may_use_is_echoed_in_every_body_and_chunk(flow: RunningG
     events = list(standard.responses.create(model=MODEL, input="hi", max_output_tokens=4, stream=True))
     tiers = {event.response.service_tier for event in events if hasattr(event, "response")}
     assert tiers == {"flex"}
-    claude = anthropic.Anthropic(base_url=flow.base_url, api_key=KEYS["light"], max_retries=0)
+    claude = anthropic.Anthropic(base_url=flow.base_url, api_key=KEYS["premium"], max_retries=0)
     message = claude.messages.create(model=MODEL, max_tokens=4, messages=HI, service_tier="auto")
-    assert message.usage.service_tier == "standard"
+    assert message.usage.service_tier == "priority"  # auto: the key's default
+    with claude.messages.stream(model=MODEL, max_tokens=4, messages=HI, service_tier="standard_only") as stream:
+        assert stream.get_final_message().usage.service_tier == "standard"
 
 
 @pytest.mark.parametrize(
