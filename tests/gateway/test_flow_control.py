@@ -47,7 +47,7 @@ KEYS = {
 HI = [{"role": "user", "content": "hi"}]
 
 
-def _config(budget_tokens: int) -> GatewayConfig:
+def _config(budget_tokens: int, ranks: int = 1) -> GatewayConfig:
     return GatewayConfig(
         server={
             "api_keys": [
@@ -69,7 +69,8 @@ def _config(budget_tokens: int) -> GatewayConfig:
             {
                 "name": "reference",
                 "kind": "reference",
-                "max_num_seqs": SLOTS,
+                "max_num_seqs": SLOTS // ranks,  # per rank
+                "data_parallel_size": ranks,
                 "max_in_flight": SLOTS,
                 "max_queue": 64,
                 "queue_timeout": 60,
@@ -92,6 +93,15 @@ def _reservation(body: dict[str, Any]) -> int:
 @pytest.fixture(scope="module")
 def flow() -> Iterator[RunningGateway]:
     running = start_gateway(_config(_reservation(BUDGET_BODY)), budget_clock=lambda: 0.0)  # budgets never refill
+    yield running
+    stop_gateway(running)
+
+
+@pytest.fixture(scope="module")
+def ranked_flow() -> Iterator[RunningGateway]:
+    """The same behind two data-parallel ranks of 2 slots each, in worker processes: the queue is the gateway's,
+    in front of the dispatcher that balances admitted requests over the ranks."""
+    running = start_gateway(_config(_reservation(BUDGET_BODY), ranks=2), budget_clock=lambda: 0.0)
     yield running
     stop_gateway(running)
 
@@ -175,9 +185,12 @@ def _flooded(gateway: RunningGateway, late: Callable[[Flood], int]) -> Flood:
     return flood
 
 
+@pytest.mark.parametrize("layout", ["flow", "ranked_flow"])
 def test_a_light_key_is_admitted_as_soon_as_a_slot_frees_while_the_flooding_key_waits_its_turn(
-    flow: RunningGateway,
+    layout: str, request: pytest.FixtureRequest
 ) -> None:
+    flow: RunningGateway = request.getfixturevalue(layout)
+
     def light(flood: Flood) -> int:
         flood.send("light-0", "light")
         flood.send("light-1", "light")
@@ -192,9 +205,12 @@ def test_a_light_key_is_admitted_as_soon_as_a_slot_frees_while_the_flooding_key_
     assert sum(1 for name in order[:last_light] if name.startswith("flood")) <= 2, order
 
 
+@pytest.mark.parametrize("layout", ["flow", "ranked_flow"])
 def test_priority_requests_get_their_first_token_before_the_default_flood_sent_before_them(
-    flow: RunningGateway,
+    layout: str, request: pytest.FixtureRequest
 ) -> None:
+    flow: RunningGateway = request.getfixturevalue(layout)
+
     def priority(flood: Flood) -> int:
         flood.send("priority-0", "flood", service_tier="priority")
         flood.send("priority-1", "flood", service_tier="priority")
