@@ -362,3 +362,30 @@ def test_queue_depth_and_waits_are_exported_by_tier_and_key(flow: RunningGateway
         held.release()
         flood.wait()
     assert flow.metric("gateway_admission_wait_seconds_count", tier="priority", key="light") == waited + 1
+
+
+def test_a_shadow_copy_leaves_the_clients_log_line_to_the_client() -> None:
+    """The primary has no admission bound, its shadow does: the client's log line has no admission of its own, and
+    the shadow's (which starts while the primary still decodes) must not be written into it."""
+    config = GatewayConfig(
+        backends=[
+            {
+                "name": "reference",
+                "kind": "reference",
+                "max_in_flight": None,
+                "timing": {"decode_seconds_per_step": STEP_SECONDS},
+            },
+            {"name": "spare", "kind": "reference", "max_in_flight": SLOTS},
+        ],
+        models=[{"name": MODEL, "backends": ["reference"], "shadow": {"backend": "spare", "fraction": 1.0}}],
+    )
+    running = start_gateway(config)
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+        with captured_logs(running) as logs:
+            client.chat.completions.create(model=MODEL, messages=HI, max_tokens=SHORT, extra_body={"ignore_eos": True})
+        assert wait_until(lambda: all(s.active == 0 for s in running.state.router.shadows()))
+        (line,) = [line for line in logs if line.get("event") == "request"]
+        assert line["backend"] == "reference" and "admission" not in line, line
+    finally:
+        stop_gateway(running)
