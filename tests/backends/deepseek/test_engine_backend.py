@@ -226,13 +226,13 @@ async def test_tool_call_after_reasoning_in_thinking_mode(artifacts: ReferenceAr
 async def test_text_before_a_call_stays_content(artifacts: ReferenceArtifacts) -> None:
     events, _ = await run(artifacts, "Let me check." + CALL_BLOCK, tools=[WEATHER])
     out = assemble(events)
-    assert out["content"] == "Let me check.\n\n" and len(out["calls"]) == 2 and out["finish"] == "tool_calls"
+    assert out["content"] == "Let me check." and len(out["calls"]) == 2 and out["finish"] == "tool_calls"
 
 
 async def test_without_tools_dsml_is_plain_content_and_finish_is_stop(artifacts: ReferenceArtifacts) -> None:
     events, _ = await run(artifacts, CALL_BLOCK)
     out = assemble(events)
-    assert out["content"] == CALL_BLOCK and out["calls"] == [] and out["finish"] == "stop"
+    assert out["content"] == CALL_BLOCK.lstrip("\n") and out["calls"] == [] and out["finish"] == "stop"
 
 
 async def test_stop_string_ends_the_choice_before_the_call_is_parsed(artifacts: ReferenceArtifacts) -> None:
@@ -240,7 +240,7 @@ async def test_stop_string_ends_the_choice_before_the_call_is_parsed(artifacts: 
         artifacts, "Checking." + CALL_BLOCK, tools=[WEATHER], sampling=SamplingOptions(stop=["<｜DSML｜ invoke"])
     )
     out = assemble(events)
-    assert out["calls"] == [] and out["finish"] == "stop" and out["content"] == "Checking.\n\n"
+    assert out["calls"] == [] and out["finish"] == "stop" and out["content"] == "Checking."
 
 
 async def test_forced_tool_call_sends_the_grammar_and_trigger_to_the_engine(artifacts: ReferenceArtifacts) -> None:
