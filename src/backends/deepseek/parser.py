@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 import random
 import string
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from backends.deepseek.arguments import arguments_json
@@ -136,6 +136,7 @@ class DeepSeekV41OutputParser:
         "_out_reasoning",
         "_scan_from",
         "_state",
+        "_stops",
         "_tags",
         "_tools",
     )
@@ -148,6 +149,7 @@ class DeepSeekV41OutputParser:
         tools: Mapping[str, Mapping[str, Any]] | None = None,
         max_calls: int | None = None,
         literal_content: bool = False,
+        stops: Sequence[str] = (),
         new_id: Callable[[int], str] = new_tool_call_id,
     ) -> None:
         if stage is None:
@@ -169,6 +171,8 @@ class DeepSeekV41OutputParser:
         self._out_reasoning: list[str] = []
         self._out_content: list[str] = []
         self._out_calls: list[ToolCallDelta] = []
+        stops = [stop for stop in stops if stop]
+        self._stops = AnswerStops(stops) if stops else None
 
     @property
     def in_reasoning(self) -> bool:
@@ -178,6 +182,11 @@ class DeepSeekV41OutputParser:
     def called(self) -> bool:
         """Whether at least one tool call was emitted (the choice then finishes with ``tool_calls``)."""
         return self._emitted_calls > 0
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop sequence that ended the answer, once one did (nothing is parsed after it)."""
+        return self._stops.matched if self._stops is not None else None
 
     def push(self, text: str) -> ParsedText:
         """Feed the next piece of text; returns what can be emitted now."""
@@ -191,10 +200,13 @@ class DeepSeekV41OutputParser:
             and state <= _REASONING
             and "<" not in text
             and text[-1] != "\n"
-        ):  # fast path: no tag can start in this piece, and no newline waits on what follows
+            and (state == _REASONING or self._stops is None)
+        ):  # fast path: no tag can start in this piece, no newline waits on what follows, no stop to look for
             return ParsedText(text, "", ()) if state == _REASONING else ParsedText("", text, ())
         self._buf += text
         self._scan()
+        if self._stops is not None and self._state == _CONTENT:
+            self._out_content.append(self._stops.releasable())
         return self._take()
 
     def finish(self) -> ParsedText:
@@ -208,6 +220,8 @@ class DeepSeekV41OutputParser:
                 buf = self._held_newlines = ""  # a call cut short after its marker: markup, not text
             self._emit_text(buf)
             self._release_newlines()
+            if self._stops is not None and self._state == _CONTENT:
+                self._out_content.append(self._stops.restart())
         elif state == _ARGS:
             self._end_call(buf)
         # CALLS, DONE: nothing to send; NAME: a call whose name never finished, nothing of it was sent.
@@ -241,10 +255,22 @@ class DeepSeekV41OutputParser:
                 if tag is None:
                     keep = _partial_tag_start(buf, tags)
                     self._emit_text(buf[:keep])
+                    if self._state == _DONE:  # a stop sequence
+                        return
                     self._buf = buf[keep:]
+                    if keep < len(buf) and self._stops is not None and state == _CONTENT:
+                        self._stop_at(self._stops.peek(_seen_of(buf[keep:])))
                     return
                 self._emit_text(buf[:at])
+                if self._state == _DONE:
+                    return
                 self._buf = buf[at + len(tag) :]
+                if self._stops is not None and state == _CONTENT:
+                    if self._stop_at(self._stops.peek(_seen_of(tag))):
+                        return
+                    # A stop never spans a tag: what came before it goes out (with a </think>, the newlines too).
+                    self._out_content.append(self._stops.restart() + (self._held_newlines if tag == THINK_END else ""))
+                    self._held_newlines = ""
                 if tag == THINK_END:
                     if state == _REASONING:  # the answer starts; a </think> in the answer is dropped
                         self._held_newlines = ""
@@ -284,20 +310,50 @@ class DeepSeekV41OutputParser:
         """Text of the current channel: leading newlines dropped at its start, trailing ones held back."""
         if not text:
             return
+        stops = self._stops if self._state == _CONTENT else None
         if self._leading:
-            text = text.lstrip("\n")
-            if not text:
+            rest = text.lstrip("\n")
+            if stops is not None and len(rest) < len(text) and self._stop_at(stops.see(text[: len(text) - len(rest)])):
                 return
+            if not rest:
+                return
+            if stops is not None:
+                stops.restart()  # the newlines are gone: a stop cannot span them
+            text = rest
             self._leading = False
+        if stops is not None and self._stop_at(stops.see(text)):
+            return
         text = self._held_newlines + text
         kept = text.rstrip("\n")
         self._held_newlines = text[len(kept) :]
-        if kept:
-            (self._out_reasoning if self._state == _REASONING else self._out_content).append(kept)
+        if not kept:
+            return
+        if self._state == _REASONING:
+            self._out_reasoning.append(kept)
+        elif stops is not None:
+            stops.unsent += kept
+        else:
+            self._out_content.append(kept)
+
+    def _stop_at(self, answer: str | None) -> bool:
+        """A stop sequence matched (``answer``: the rest of the answer before it): the output ends here."""
+        if answer is None:
+            return False
+        self._out_content.append(answer)
+        assert self._stops is not None
+        self._stops.unsent = ""  # the answer holds it
+        self._held_newlines = self._buf = ""
+        self._state = _DONE
+        return True
 
     def _release_newlines(self) -> None:
         if self._held_newlines:
-            (self._out_reasoning if self._state == _REASONING else self._out_content).append(self._held_newlines)
+            if self._state == _REASONING:
+                self._out_reasoning.append(self._held_newlines)
+            elif self._stops is not None:
+                self._stops.unsent += self._held_newlines
+            else:
+                self._out_content.append(self._held_newlines)
             self._held_newlines = ""
 
     def _start_call(self, name: str) -> None:
@@ -325,6 +381,75 @@ class DeepSeekV41OutputParser:
         else:
             calls.append(ToolCallDelta(index, None, None, arguments))
         self._call_emitted = False
+
+
+class AnswerStops:
+    """Stop sequences, matched as DeepSeek's parser matches them: in the answer only (not the reasoning, not a tool
+    call's arguments), as soon as one is complete, over the answer's text since the last tag (a stop never spans a
+    tag), including what is still held back: trailing newlines, the leading newlines of an answer until they are
+    dropped, and a tag until it is recognized (all of ``</think>``, a call's ``<｜DSML｜``).
+
+    ``view`` is that text; ``unsent`` is the part of it the parser's rules let out but a stop could still cut,
+    ``sent`` how much of ``view`` went out.
+    """
+
+    __slots__ = ("_longest", "_stops", "matched", "sent", "unsent", "view")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = stops
+        self._longest = max(map(len, stops))
+        self.view = ""
+        self.unsent = ""
+        self.sent = 0
+        self.matched: str | None = None
+
+    def see(self, text: str) -> str | None:
+        """Adds answer text; returns the answer's text before the stop if one now matches, else None."""
+        start = max(0, len(self.view) - self._longest + 1)
+        self.view += text
+        return self._find(self.view, start)
+
+    def peek(self, held: str) -> str | None:
+        """Like ``see`` for text still held, which may yet turn out to be a tag."""
+        return self._find(self.view + held, max(0, len(self.view) - self._longest + 1))
+
+    def _find(self, view: str, start: int) -> str | None:
+        """The first stop to be complete in ``view`` past what was searched (at the same end, the one listed first)."""
+        first, first_end = -1, -1
+        for stop in self._stops:
+            at = view.find(stop, start)
+            if at >= 0:
+                end = at + len(stop)
+                if first < 0 or end < first_end:
+                    first, first_end, self.matched = at, end, stop
+        return None if first < 0 else view[self.sent : first]
+
+    def releasable(self) -> str:
+        """The unsent text that no stop can cut any more: all of it but what could begin one."""
+        view, hold = self.view, 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(view)), hold, -1):
+                if view.endswith(stop[:k]):
+                    hold = k
+                    break
+        count = min(len(self.unsent), len(view) - hold - self.sent)
+        if count <= 0:
+            return ""
+        out, self.unsent = self.unsent[:count], self.unsent[count:]
+        self.sent += count
+        return out
+
+    def restart(self) -> str:
+        """A tag (or the answer's dropped leading newlines) ends the view: returns what was held for it."""
+        out = self.unsent
+        self.view, self.unsent, self.sent = "", "", 0
+        return out
+
+
+def _seen_of(tag: str) -> str:
+    """What a stop may match of a tag: all of ``</think>``, a call's ``<｜DSML｜`` (what follows that is markup); a
+    held partial tag is cut the same way."""
+    return tag[: len(_CALL_MARKER)] if tag.startswith("<｜") else tag
 
 
 def _earliest(buf: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str | None]:

@@ -45,7 +45,7 @@ class Choice:
         self.index = index
         self._table = table
         self._detok = detok
-        self._stop = StopMatcher(stops) if stops else None
+        self._stop = StopMatcher(stops) if stops and parser is None else None  # else the parser matches them
         self._logprobs = logprobs
         self._parser = parser
         self._reasoning_end = reasoning_end
@@ -57,6 +57,8 @@ class Choice:
     @property
     def matched_stop(self) -> str | None:
         """The stop string that ended the choice, if one did."""
+        if self._parser is not None:
+            return self._parser.matched_stop
         return self._stop.matched if self._stop is not None else None
 
     def consume(self, outputs: Sequence[EngineOutput]) -> tuple[Delta | None, str | None]:
@@ -105,6 +107,8 @@ class Choice:
         assert parser is not None
         was_reasoning = parser.in_reasoning
         reasoning, content, calls = parser.push(text)
+        if parser.matched_stop is not None:
+            finish = "stop"
         if finish is not None:
             more_reasoning, more_content, more_calls = parser.finish()
             reasoning += more_reasoning

@@ -235,12 +235,23 @@ async def test_without_tools_dsml_is_plain_content_and_finish_is_stop(artifacts:
     assert out["content"] == CALL_BLOCK.lstrip("\n") and out["calls"] == [] and out["finish"] == "stop"
 
 
-async def test_stop_string_ends_the_choice_before_the_call_is_parsed(artifacts: ReferenceArtifacts) -> None:
+@pytest.mark.parametrize("per_step", [1, 3, 7])
+async def test_stop_sequences_end_the_answer_not_the_reasoning(artifacts: ReferenceArtifacts, per_step: int) -> None:
+    """As DeepSeek's parser does: a stop sequence in the reasoning is reasoning; in the answer it ends the choice."""
+    completion = "Plan: STOP is a word.</think>The answer STOP is cut here."
     events, _ = await run(
-        artifacts, "Checking." + CALL_BLOCK, tools=[WEATHER], sampling=SamplingOptions(stop=["<｜DSML｜ invoke"])
+        artifacts, completion, per_step=per_step, reasoning_effort="high", sampling=SamplingOptions(stop=["STOP"])
     )
     out = assemble(events)
-    assert out["calls"] == [] and out["finish"] == "stop" and out["content"] == "Checking."
+    assert (out["reasoning"], out["content"], out["finish"]) == ("Plan: STOP is a word.", "The answer ", "stop")
+    assert [e.matched_stop for e in events if isinstance(e, Finish)] == ["STOP"]
+
+
+async def test_a_stop_sequence_inside_a_call_is_part_of_its_arguments(artifacts: ReferenceArtifacts) -> None:
+    events, _ = await run(artifacts, "Checking." + CALL_BLOCK, tools=[WEATHER], sampling=SamplingOptions(stop=["Oslo"]))
+    out = assemble(events)
+    assert out["content"] == "Checking." and out["finish"] == "tool_calls"
+    assert [json.loads(c["arguments"])["city"] for c in out["calls"]] == ["Paris", "Oslo"]
 
 
 async def test_forced_tool_call_sends_the_grammar_and_trigger_to_the_engine(artifacts: ReferenceArtifacts) -> None:

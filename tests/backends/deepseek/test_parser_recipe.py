@@ -49,16 +49,21 @@ class Parsed(NamedTuple):
     finish: str
 
 
-def by_recipe(chunks: Sequence[str], stage: Stage, *, tools: bool = True) -> Parsed:
+def by_recipe(chunks: Sequence[str], stage: Stage, *, tools: bool = True, stops: Sequence[str] = ()) -> Parsed:
     """What DeepSeek's ``StreamProcessor`` makes of the chunks, read from its Chat Completions chunks."""
     conversation = recipe.ChatCompletionRequest(REQUEST).convert(recipe.ConversionOptions())
     generator = recipe.ChatCompletionRequest.chunk_generator(conversation, "chatcmpl-test", "m")
-    options = recipe.ParsingOptions(parse_tool_calls=tools, thinking_initial_stage=RECIPE_STAGES[stage])
+    options = recipe.ParsingOptions(
+        parse_tool_calls=tools, thinking_initial_stage=RECIPE_STAGES[stage], stop_sequences=stops
+    )
     processor = recipe.StreamProcessor(generator, options)
     out = processor.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(prompt_tokens=1)))
     for chunk in chunks:
+        if processor.finished:  # a stop sequence ended it
+            break
         out += processor.push(recipe.InferenceChunk.text(chunk, 1))
-    out += processor.push(recipe.InferenceChunk.finish(recipe.InferenceFinishReason.Stop))
+    if not processor.finished:
+        out += processor.push(recipe.InferenceChunk.finish(recipe.InferenceFinishReason.Stop))
     out += processor.finish()
     reasoning, content, finish = [], [], ""
     calls: list[list[Any]] = []
@@ -81,10 +86,14 @@ def by_recipe(chunks: Sequence[str], stage: Stage, *, tools: bool = True) -> Par
     )
 
 
-def by_gateway(chunks: Sequence[str], stage: Stage, *, tools: bool = True) -> Parsed:
+def by_gateway(chunks: Sequence[str], stage: Stage, *, tools: bool = True, stops: Sequence[str] = ()) -> Parsed:
     """What the gateway's parser makes of the same chunks (tools declared without schemas: no typing)."""
-    parser = DeepSeekV41OutputParser(stage=stage, tools={} if tools else None)
-    pieces = [parser.push(chunk) for chunk in chunks]
+    parser = DeepSeekV41OutputParser(stage=stage, tools={} if tools else None, stops=stops)
+    pieces = []
+    for chunk in chunks:
+        if parser.matched_stop is not None:  # the choice ends there: the engine request is aborted
+            break
+        pieces.append(parser.push(chunk))
     pieces.append(parser.finish())
     calls: list[list[Any]] = []
     for piece in pieces:
@@ -99,7 +108,7 @@ def by_gateway(chunks: Sequence[str], stage: Stage, *, tools: bool = True) -> Pa
         "".join(p.reasoning for p in pieces),
         "".join(p.content for p in pieces),
         [(_id_prefix(i), name, json.loads(arguments)) for i, name, arguments in calls],
-        "tool_calls" if parser.called else "stop",
+        "tool_calls" if parser.called and parser.matched_stop is None else "stop",
     )
 
 
@@ -173,6 +182,39 @@ def test_corpus_parses_as_deepseek_recipe_parses_it(chunks: list[str], stage: St
     assert by_gateway(list("".join(chunks)), stage) == expected  # split between every character
 
 
+STOP_CORPUS: list[tuple[str, list[str], Stage, list[str]]] = [
+    ("a stop ends the answer", ["Hello STOP more"], Stage.CONTENT, ["STOP"]),
+    ("split across pieces", ["Hello ST", "OP more"], Stage.CONTENT, ["STOP"]),
+    ("a stop's start at the end is text", ["Hello ST"], Stage.CONTENT, ["STOP"]),
+    ("not in the reasoning", ["rSTOPx</think>Hello STOP"], Stage.REASONING, ["STOP"]),
+    ("not across </think>", ["rST</think>OPx"], Stage.REASONING, ["STOP"]),
+    ("not in a call's arguments", [calls_block(invoke("f", q="a STOP b"))], Stage.CONTENT, ["STOP"]),
+    ("held newlines before it are answer", ["Hello\n\n", "STOP"], Stage.CONTENT, ["STOP"]),
+    ("it may start with newlines", ["Hello\n\nSTOP"], Stage.CONTENT, ["\n\nSTOP"]),
+    ("an answer's leading newlines, before they are dropped", ["\n\nab"], Stage.CONTENT, ["\n"]),
+    ("not across them once dropped", ["\n\nab"], Stage.CONTENT, ["\nab"]),
+    ("a continuation keeps them", ["\n\nab"], Stage.CONTENT_CONTINUATION, ["\nab"]),
+    ("a tag's start before it is known", ["Hello\n\n" + calls_block(WEATHER)], Stage.CONTENT, ["\n\n<"]),
+    ("not a tag once known", ["x" + calls_block(WEATHER)], Stage.CONTENT, ["｜DSML｜ calls"]),
+    ("not across a dropped </think>", ["ab\n\n</think>cd"], Stage.CONTENT, ["\n\nc"]),
+    ("the start of </think>", ["ab</thi", "nk>cd"], Stage.CONTENT, ["b</thi"]),
+    ("<think> is answer text", ["a<think>b"], Stage.CONTENT, ["<think>"]),
+    ("the first one complete wins", ["abcd"], Stage.CONTENT, ["bc", "abcd"]),
+    ("then the one listed first", ["xabcd"], Stage.CONTENT, ["bcd", "abcd"]),
+    ("the one listed first", ["xabcd"], Stage.CONTENT, ["abcd", "bcd"]),
+    ("newline stop", ["a\nb"], Stage.CONTENT, ["\n"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "stage", "stops"), [(c, s, t) for _, c, s, t in STOP_CORPUS], ids=[n for n, *_ in STOP_CORPUS]
+)
+def test_stop_sequences_end_the_answer_as_in_deepseek_recipe(chunks: list[str], stage: Stage, stops: list[str]) -> None:
+    expected = by_recipe(chunks, stage, stops=stops)
+    assert by_gateway(chunks, stage, stops=stops) == expected
+    assert by_gateway(list("".join(chunks)), stage, stops=stops) == expected
+
+
 def test_without_tool_parsing_dsml_is_text_as_in_deepseek_recipe() -> None:
     chunks = ["Hi\n\n" + calls_block(WEATHER), "\n<｜DSML｜ ca"]
     for stage in Stage:
@@ -232,3 +274,23 @@ def test_generated_outputs_parse_as_deepseek_recipe_parses_them(
     text = "".join(fragments) + cut
     chunks = data.draw(split(text))
     assert by_gateway(chunks, stage, tools=tools) == by_recipe(chunks, stage, tools=tools)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    fragments=st.lists(FRAGMENTS, max_size=6),
+    stage=st.sampled_from(list(Stage)),
+    tools=st.booleans(),
+    others=st.lists(st.text(alphabet="ab \n<", min_size=1, max_size=3), max_size=2),
+)
+def test_generated_outputs_stop_as_in_deepseek_recipe(
+    data: st.DataObject, fragments: list[str], stage: Stage, tools: bool, others: list[str]
+) -> None:
+    text = "".join(fragments)
+    stops = list(others)
+    if text:  # a piece of the output itself, so that stops do match
+        start = data.draw(st.integers(0, len(text) - 1))
+        stops.append(text[start : start + data.draw(st.integers(1, 6))])
+    chunks = data.draw(split(text))
+    assert by_gateway(chunks, stage, tools=tools, stops=stops) == by_recipe(chunks, stage, tools=tools, stops=stops)
