@@ -238,13 +238,15 @@ async def test_without_tools_dsml_is_plain_content_and_finish_is_stop(artifacts:
 @pytest.mark.parametrize("per_step", [1, 3, 7])
 async def test_stop_sequences_end_the_answer_not_the_reasoning(artifacts: ReferenceArtifacts, per_step: int) -> None:
     """As DeepSeek's parser does: a stop sequence in the reasoning is reasoning; in the answer it ends the choice."""
-    completion = "Plan: STOP is a word.</think>The answer STOP is cut here."
-    events, _ = await run(
+    completion = "Plan: STOP is a word.</think>The answer STOP is cut here, and all of this is never generated."
+    events, engine = await run(
         artifacts, completion, per_step=per_step, reasoning_effort="high", sampling=SamplingOptions(stop=["STOP"])
     )
     out = assemble(events)
     assert (out["reasoning"], out["content"], out["finish"]) == ("Plan: STOP is a word.", "The answer ", "stop")
     assert [e.matched_stop for e in events if isinstance(e, Finish)] == ["STOP"]
+    through_stop = engine.tokenizer.encode(completion[: completion.rindex("STOP") + 4], add_special_tokens=False).ids
+    assert out["usage"].completion_tokens < len(through_stop) + per_step  # the engine request ended at the stop
 
 
 async def test_a_stop_sequence_inside_a_call_is_part_of_its_arguments(artifacts: ReferenceArtifacts) -> None:
