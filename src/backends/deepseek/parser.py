@@ -32,8 +32,9 @@ States: REASONING, CONTENT, CALLS (once a call block or a call has begun, betwee
 
 Newlines, as DeepSeek's parser treats them: those that open a new reasoning or an answer (after ``</think>``, or at
 the start in chat mode) are dropped, and so are those right before a tag that ends the channel (``</think>`` in the
-reasoning, a tool call in either); a continuation keeps its leading newlines. A call opening cut by the end of the
-output once its ``<｜DSML｜`` is complete is markup, not text, and is dropped with the newlines before it.
+reasoning, a tool call in either; not a ``</think>`` in the answer, which is dropped alone); a continuation keeps its
+leading newlines. A call opening cut by the end of the output once its ``<｜DSML｜`` is complete is markup, not text,
+and is dropped with the newlines before it.
 """
 
 from __future__ import annotations
@@ -272,10 +273,12 @@ class DeepSeekV41OutputParser:
                     self._out_content.append(self._stops.restart() + (self._held_newlines if tag == THINK_END else ""))
                     self._held_newlines = ""
                 if tag == THINK_END:
-                    if state == _REASONING:  # the answer starts; a </think> in the answer is dropped
+                    if state == _REASONING:  # the answer starts
                         self._held_newlines = ""
                         self._state = _CONTENT
                         self._leading = True
+                    else:  # a </think> in the answer is dropped; the newlines before it are answer
+                        self._release_newlines()
                 else:  # a DSML calls block, or a call written without it
                     self._held_newlines = ""
                     self._state = _CALLS if tag == DSML_CALLS_START else _NAME

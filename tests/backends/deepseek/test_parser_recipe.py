@@ -150,6 +150,7 @@ CORPUS: list[tuple[str, list[str], Stage]] = [
     ("<think> is text in the reasoning", ["a<think>b</think>c"], Stage.REASONING),
     ("</think> in the answer is dropped, newlines kept", ["a\n</think>\nb"], Stage.CONTENT),
     ("</think> in a continued answer is dropped", ["x</think>\n\ny"], Stage.CONTENT_CONTINUATION),
+    ("newlines before a dropped </think> stay", ["a\n</think>" + calls_block(WEATHER)], Stage.CONTENT),
     ("chat tool call: no content", ["\n\n" + calls_block(WEATHER)], Stage.CONTENT),
     ("newlines before calls are dropped", ["Checking.\n\n" + calls_block(WEATHER, SEARCH)], Stage.CONTENT),
     ("spaces before calls kept", ["hi \n " + calls_block(WEATHER)], Stage.CONTENT),
