@@ -263,6 +263,10 @@ class FaultyParser:
     def matched_stop(self) -> str | None:
         return self._inner.matched_stop
 
+    @property
+    def drops_leading_newlines(self) -> bool:
+        return self._inner.drops_leading_newlines
+
     def push(self, text: str) -> tuple[str, str, Sequence[ToolCallDelta]]:
         self._pushes += 1
         if self._pushes == 3:

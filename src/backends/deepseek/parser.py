@@ -185,6 +185,11 @@ class DeepSeekV41OutputParser:
         return self._emitted_calls > 0
 
     @property
+    def drops_leading_newlines(self) -> bool:
+        """Whether the channel the reply is in still drops its leading newlines (a new reasoning or answer)."""
+        return self._leading
+
+    @property
     def matched_stop(self) -> str | None:
         """The stop sequence that ended the answer, once one did (nothing is parsed after it)."""
         return self._stops.matched if self._stops is not None else None

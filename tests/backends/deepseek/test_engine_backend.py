@@ -11,7 +11,9 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import deepseek_recipe as recipe
 import numpy as np
+import orjson
 import pytest
 from tokenizers import Tokenizer
 
@@ -212,8 +214,39 @@ async def test_thinking_output_splits_into_reasoning_then_content_and_counts_rea
     out = assemble(events)
     assert (out["reasoning"], out["content"], out["finish"]) == (reasoning, "The answer is 4.", "stop")
     assert engine.tokenizer.decode(engine.prompts[0], skip_special_tokens=False).endswith("<｜Assistant｜><think>")
-    reasoning_ids = engine.tokenizer.encode(reasoning + "</think>", add_special_tokens=False).ids
-    assert out["usage"].reasoning_tokens == len(reasoning_ids)
+    reasoning_ids = engine.tokenizer.encode(reasoning, add_special_tokens=False).ids
+    assert out["usage"].reasoning_tokens == len(reasoning_ids)  # the closing tag is not reasoning
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "The user wants a number.</think>The answer is 4.",
+        "\n\nShort.</think>\n\nLong answer with some more words in it.",
+        "Look it up." + CALL_BLOCK,
+        "Look it up.</think>" + CALL_BLOCK,
+    ],
+)
+async def test_usage_counts_reasoning_tokens_as_deepseek_recipe_does(
+    artifacts: ReferenceArtifacts, completion: str
+) -> None:
+    events, engine = await run(artifacts, completion, tools=[WEATHER], reasoning_effort="high")
+    gateway = assemble(events)["usage"]
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "Weather?"}], "stream": True}
+    conversation = recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions())
+    processor = recipe.StreamProcessor(
+        recipe.ChatCompletionRequest.chunk_generator(conversation, "chatcmpl-test", "m"),
+        conversation.parsing_options,
+        recipe.Tokenizer.from_str(engine.tokenizer.to_str()),
+    )
+    out = processor.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(prompt_tokens=1)))
+    script = engine.script[:-1]  # without the EOS, which ends the reply rather than being part of it
+    for at in range(0, len(script), 3):  # the steps the scripted engine made
+        out += processor.push(recipe.InferenceChunk.tokens(script[at : at + 3]))
+    out += processor.push(recipe.InferenceChunk.finish(recipe.InferenceFinishReason.Stop))
+    out += processor.finish()
+    usage = orjson.loads(out[-1].to_json())["usage"]
+    assert gateway is not None and gateway.reasoning_tokens == usage["completion_tokens_details"]["reasoning_tokens"]
 
 
 async def test_tool_call_after_reasoning_in_thinking_mode(artifacts: ReferenceArtifacts) -> None:
