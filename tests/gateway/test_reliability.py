@@ -259,6 +259,14 @@ class FaultyParser:
     def called(self) -> bool:
         return self._inner.called
 
+    @property
+    def matched_stop(self) -> str | None:
+        return self._inner.matched_stop
+
+    @property
+    def drops_leading_newlines(self) -> bool:
+        return self._inner.drops_leading_newlines
+
     def push(self, text: str) -> tuple[str, str, Sequence[ToolCallDelta]]:
         self._pushes += 1
         if self._pushes == 3:
@@ -276,7 +284,7 @@ class FaultyTemplate(DeepSeekV41ChatTemplate):
         prompt = super().render(request, tokenizer)
         inner = prompt.parser
         assert inner is not None
-        return prompt._replace(parser=lambda: FaultyParser(inner()))
+        return prompt._replace(parser=lambda *, stops: FaultyParser(inner(stops=stops)))
 
 
 def test_any_failure_after_the_first_frame_ends_the_stream_with_an_error_frame_and_done() -> None:
