@@ -23,6 +23,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from backends.config import BackendConfig, ReferenceBackendConfig
+from gateway.batches.config import BatchesConfig
 from gateway.tracing_config import TracingConfig
 
 DEFAULT_MODEL_NAME = "deepinfer-reference"
@@ -154,6 +155,10 @@ class ServerConfig(BaseModel):
     )
     workers: int = Field(
         1, ge=1, le=256, description="front-end processes serving one port (uvicorn workers); see README, Scale out"
+    )
+    batches: BatchesConfig = Field(
+        default_factory=BatchesConfig,
+        description="the Batch API (/v1/files, /v1/batches): its store, limits and concurrency (README, Batch API)",
     )
     tracing: TracingConfig = Field(
         default_factory=TracingConfig,

@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from backends.errors import InvalidRequestError
 from backends.interface import GenerateRequest, Usage
-from gateway.auth import request_owner
+from gateway.auth import request_owner, request_service_tier
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
 from gateway.limits import admitted
@@ -115,6 +115,7 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
         async with admitted(request, limits, body.max_output_tokens, prompt_tokens=history_tokens) as reservation:
             generate = GenerateRequest(
                 request_id=request.state.request_id,
+                service_tier=request_service_tier(request),
                 model=model,
                 messages=messages,
                 sampling=body.sampling_options(),

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from backends.interface import Backend, Event, EventStream, GenerateRequest, Usage
+from gateway.auth import request_service_tier
 from gateway.bodies import OffloadedJSONRoute
 from gateway.capabilities import system_fingerprint
 from gateway.deadlines import Timeouts
@@ -133,6 +134,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     async with admitted(request, _limits(state), limit * body.n if limit is not None else None) as reservation:
         generate = GenerateRequest(
             request_id=request.state.request_id,
+            service_tier=request_service_tier(request),
             model=model,
             messages=[m.model_dump(exclude_none=True) for m in body.messages],
             sampling=body.sampling_options(
@@ -180,6 +182,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         requests = [
             GenerateRequest(
                 request_id=request.state.request_id,
+                service_tier=request_service_tier(request),
                 model=model,
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=prompt if isinstance(prompt, list) else None,
