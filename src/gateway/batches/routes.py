@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.datastructures import UploadFile
+from starlette.datastructures import QueryParams, UploadFile
 from starlette.responses import Response
 
 from gateway.auth import request_label, request_owner
-from gateway.batches.records import INPUT_PURPOSE, batch_object, file_object, new_id
+from gateway.batches.records import INPUT_PURPOSE, OUTPUT_PURPOSE, batch_object, file_object, new_id
 from gateway.batches.runner import BatchRunner
 from gateway.batches.store import StoreLimitError
 from gateway.errors import APIError
@@ -20,6 +20,7 @@ from gateway.state import gateway_state
 router = APIRouter(tags=["batches"])
 UPLOAD_PATH = "/v1/files"
 MULTIPART_OVERHEAD = 64 * 1024
+MAX_ID_LENGTH = 128
 """Bytes a multipart upload may carry beyond its file (boundaries, headers, the purpose field)."""
 
 
@@ -56,6 +57,41 @@ def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
         "last_id": shown[-1]["id"] if shown else None,
         "has_more": len(data) > limit,
     }
+
+
+def _limit(query: QueryParams, *, default: int, most: int) -> int:
+    raw = query.get("limit")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise APIError(
+            400,
+            f"Invalid 'limit': expected an integer from 1 to {most}, but got {raw[:40]!r}.",
+            param="limit",
+            code="invalid_value",
+        )
+    return int(raw)
+
+
+def _after(query: QueryParams) -> str | None:
+    after = query.get("after")
+    if after is not None and len(after) > MAX_ID_LENGTH:
+        raise APIError(400, "Invalid 'after': not an id.", param="after", code="invalid_value")
+    return after
+
+
+def _choice(query: QueryParams, name: str, allowed: tuple[str | None, ...]) -> Any:
+    """The query parameter's value, which must be one of ``allowed`` (the first when it is absent)."""
+    value = query.get(name, allowed[0])
+    if value not in allowed:
+        supported = [choice for choice in allowed if choice is not None]
+        raise APIError(
+            400,
+            f"Invalid value for '{name}': {str(value)[:40]!r}. Supported values are: {supported}.",
+            param=name,
+            code="invalid_value",
+        )
+    return value
 
 
 @router.post("/v1/files")
@@ -110,16 +146,19 @@ async def create_file(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/files")
-async def list_files(
-    request: Request,
-    purpose: Literal["batch", "batch_output"] | None = None,
-    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
-    after: Annotated[str | None, Query(max_length=128)] = None,
-    order: Literal["asc", "desc"] = "desc",
-) -> dict[str, Any]:
+async def list_files(request: Request) -> dict[str, Any]:
     runner = _runner(request)
+    query = request.query_params
+    purpose = _choice(query, "purpose", (INPUT_PURPOSE, OUTPUT_PURPOSE, None))
+    order = _choice(query, "order", ("desc", "asc"))
+    limit = _limit(query, default=10_000, most=10_000)
     files = await runner.store.list_files(
-        request_owner(request), runner.now(), purpose=purpose, after=after, limit=limit + 1, descending=order == "desc"
+        request_owner(request),
+        runner.now(),
+        purpose=purpose,
+        after=_after(query),
+        limit=limit + 1,
+        descending=order == "desc",
     )
     return _page(files, limit)
 
@@ -181,13 +220,12 @@ async def create_batch(body: CreateBatchRequest, request: Request) -> dict[str, 
 
 
 @router.get("/v1/batches")
-async def list_batches(
-    request: Request,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    after: Annotated[str | None, Query(max_length=128)] = None,
-) -> dict[str, Any]:
+async def list_batches(request: Request) -> dict[str, Any]:
     runner = _runner(request)
-    batches = await runner.store.list_batches(request_owner(request), after=after, limit=limit + 1)
+    limit = _limit(request.query_params, default=20, most=100)
+    batches = await runner.store.list_batches(
+        request_owner(request), after=_after(request.query_params), limit=limit + 1
+    )
     return _page(batches, limit)
 
 
