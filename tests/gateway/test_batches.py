@@ -218,6 +218,11 @@ def one_slot(tmp_path: Path) -> Iterator[RunningGateway]:
     stop_gateway(running)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="admission orders by service tier only with the flow-control work of issue 35 (branch t35); until it "
+    "is merged the gate is FIFO and the interactive request waits behind the three queued batch requests",
+)
 def test_interactive_requests_are_admitted_ahead_of_queued_batch_work(one_slot: RunningGateway) -> None:
     client = _client(one_slot, "unused")
     gate = one_slot.state.backends["reference"].gate  # type: ignore[attr-defined]
