@@ -16,6 +16,7 @@ EXPIRED = "expired"
 OPEN_STATUSES = (VALIDATING, IN_PROGRESS, FINALIZING, CANCELLING)
 """A batch in one of these still needs a runner."""
 ENDED_STATUSES = (COMPLETED, FAILED, CANCELLED, EXPIRED)
+ALL_STATUSES = (*OPEN_STATUSES, *ENDED_STATUSES)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 COMPLETION_WINDOWS = {"24h": 24 * 3600.0}

@@ -29,9 +29,11 @@ from gateway.auth import InternalCaller
 from gateway.batches.config import BatchesConfig
 from gateway.batches.inprocess import Answer, call_in_process
 from gateway.batches.records import (
+    ALL_STATUSES,
     CANCELLED,
     CANCELLING,
     COMPLETED,
+    ENDED_STATUSES,
     EXPIRED,
     FAILED,
     FINALIZING,
@@ -99,6 +101,15 @@ class BatchMetrics:
             buckets=(10, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 24 * 3600, 48 * 3600),
             registry=registry,
         )
+        # every label value exists from the start, at 0, so dashboards and alerts see the series before any batch
+        for outcome in ("completed", "failed"):
+            self.requests.labels(outcome)
+        for kind in ("prompt", "completion"):
+            self.tokens.labels(kind)
+        for status in ALL_STATUSES:
+            self.batches.labels(status).set(0)
+        for status in ENDED_STATUSES:
+            self.duration.labels(status)
 
 
 @dataclass
@@ -190,7 +201,7 @@ class BatchRunner:
         except Exception:
             logger.exception("batch store housekeeping failed")
             return
-        for status in (VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED, FAILED, CANCELLING, CANCELLED, EXPIRED):
+        for status in ALL_STATUSES:
             self.metrics.batches.labels(status).set(counts.get(status, 0))
 
     async def _run_batch(self, run: _Run) -> None:
