@@ -144,6 +144,8 @@ class GenerateRequest:
     trace: CallTrace | None = None  # set by the gateway on the requests of a traced backend call
     service_tier: str = "default"  # one of SERVICE_TIERS: which tier's queue admits the request
     priority: int = 0  # vLLM's extension: within a tier, lower is admitted first
+    tenant: str | None = None  # the label of the API key it came with: whose share of the backend it uses
+    log: dict[str, object] | None = None  # the request's access-log line: admission adds its tier and queue wait
 
     @property
     def kind(self) -> PromptKind:

@@ -17,13 +17,14 @@ from backends.registry import BackendKindUnavailableError, build_backend
 from gateway import __version__
 from gateway.admission import admitted
 from gateway.anthropic.signatures import signer_for
-from gateway.auth import ApiKeyMiddleware
+from gateway.auth import ApiKeyMiddleware, key_label
 from gateway.batches import routes as batches
 from gateway.batches.runner import BatchRunner
 from gateway.batches.store import BatchStore, store_path
 from gateway.bodies import JSONBodyParser
 from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
+from gateway.flow_control import FlowMetrics, KeyTiers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
@@ -57,18 +58,23 @@ def create_app(
     budgets refill by, here and in the shared store (tests freeze it); by default this process's monotonic clock,
     and the store's own clock for shared budgets."""
     start_errors: dict[str, str] = {}
+    metrics = GatewayMetrics()
+    server = config.server
+    key_tiers = KeyTiers([(key_label(key, i), key) for i, key in enumerate(server.client_keys())])
     if backends is None:
         built: dict[str, Backend] = {}
+        flow_metrics = FlowMetrics(metrics.registry)
         for backend_config in config.backends:
             try:
-                built[backend_config.name] = admitted(build_backend(backend_config), backend_config)
+                backend = build_backend(backend_config)
+                built[backend_config.name] = admitted(
+                    backend, backend_config, weights=key_tiers.weights, metrics=flow_metrics
+                )
             except BackendKindUnavailableError as exc:
                 start_errors[backend_config.name] = str(exc)
                 built[backend_config.name] = _UnavailableBackend(backend_config.name, backend_config.kind, str(exc))
         backends = built
-    metrics = GatewayMetrics()
     metrics.watch_backends(backends.values())
-    server = config.server
     store = SharedStateStore(server.state_store, clock=time.monotonic) if server.state_store else None
     if store is not None:
         metrics.watch_state_store(store)
@@ -101,6 +107,7 @@ def create_app(
         metrics=metrics,
         start_errors=start_errors,
         limits=key_limits,
+        key_tiers=key_tiers,
         store=store,
         responses=stored_responses,
         thinking_signer=signer_for(server.thinking_signature_key),

@@ -30,6 +30,13 @@ DEFAULT_MODEL_NAME = "deepinfer-reference"
 DEFAULT_BACKEND_NAME = "reference"
 
 
+ServiceTierName = Literal["priority", "default", "flex", "batch"]
+
+
+def _online_tiers() -> list[ServiceTierName]:
+    return ["priority", "default", "flex"]
+
+
 class ApiKeyConfig(BaseModel):
     """A client key with its own limits; a plain string in ``server.api_keys`` means default limits."""
 
@@ -39,6 +46,25 @@ class ApiKeyConfig(BaseModel):
     name: str | None = Field(None, description="label for logs and metrics (the key itself is never logged)")
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
+    service_tiers: list[ServiceTierName] = Field(
+        default_factory=_online_tiers,
+        min_length=1,
+        description="service tiers the key may use; a request for another gets the key's default_service_tier",
+    )
+    default_service_tier: ServiceTierName | None = Field(
+        None,
+        description="the tier of requests that name none (or auto); unset: default if the key may use it, else "
+        "its best allowed tier",
+    )
+    weight: float = Field(1.0, gt=0, description="the key's share of a backend against other keys in one tier")
+
+    @model_validator(mode="after")
+    def _default_tier_is_allowed(self) -> ApiKeyConfig:
+        if self.default_service_tier is not None and self.default_service_tier not in self.service_tiers:
+            raise ValueError(
+                f"default_service_tier: {self.default_service_tier!r} is not among service_tiers {self.service_tiers}"
+            )
+        return self
 
 
 class ServerConfig(BaseModel):

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from backends.interface import Backend
 from gateway.anthropic.signatures import ThinkingSigner
 from gateway.config import GatewayConfig
+from gateway.flow_control import KeyTiers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.responses.store import StoredResponses
@@ -31,6 +32,8 @@ class GatewayState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     start_errors: dict[str, str] = field(default_factory=dict)
     limits: KeyLimits | None = None
+    key_tiers: KeyTiers = field(default_factory=lambda: KeyTiers([]))
+    """Each API key's service tiers, default tier and weight (``server.api_keys``)."""
     responses: StoredResponses | None = None
     """Stored Responses API responses (``server.responses_store``)."""
     store: SharedStateStore | None = None

@@ -19,7 +19,7 @@ from backends.interface import GenerateRequest, SamplingOptions, ToolCallDelta
 from backends.reference.engine import ReferenceEngine, ReferenceEngineArgs
 from gateway.admission import AdmittedBackend
 from gateway.config import GatewayConfig
-from gateway.limits import AdmissionGate
+from gateway.flow_control import FlowController, tier_bounds
 
 from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway, wait_until
 from ..processes import free_port
@@ -313,7 +313,7 @@ async def test_an_admitted_request_aborts_its_engine_work_before_it_frees_its_sl
     await backend.start()
     try:
         seen: list[int] = []
-        gate = AdmissionGate("reference", 4, 0, 1.0)
+        gate = FlowController("reference", 4, tier_bounds(None))
         release = gate.release
 
         def recording_release(seconds: float) -> None:  # what the engine driver still holds when the slot frees
