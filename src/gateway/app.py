@@ -50,13 +50,15 @@ def create_app(
     *,
     serve_once_started: bool = False,
     budget_clock: Callable[[], float] | None = None,
+    batch_clock: Callable[[], float] = time.time,
 ) -> FastAPI:
     """Builds the app. Backends start in the background so ``/health`` answers at once and ``/ready`` tells
     when they are up (a DeepInfer engine can take minutes). With ``serve_once_started`` (one of several front-end
     processes on a shared socket) the app takes no connection before its backends have started, so a process
     that is still starting never takes requests its siblings could serve. ``budget_clock`` is the clock per-key
     budgets refill by, here and in the shared store (tests freeze it); by default this process's monotonic clock,
-    and the store's own clock for shared budgets."""
+    and the store's own clock for shared budgets. ``batch_clock`` is the wall clock of the Batch API (creation and
+    expiry times, file retention)."""
     start_errors: dict[str, str] = {}
     metrics = GatewayMetrics()
     server = config.server
@@ -96,6 +98,7 @@ def create_app(
             batch_config,
             model_exists=lambda name: _serves(config, name),
             registry=metrics.registry,
+            clock=batch_clock,
         )
         if batch_config.enabled
         else None

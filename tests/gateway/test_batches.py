@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -218,11 +219,6 @@ def one_slot(tmp_path: Path) -> Iterator[RunningGateway]:
     stop_gateway(running)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="admission orders by service tier only with the flow-control work of issue 35 (branch t35); until it "
-    "is merged the gate is FIFO and the interactive request waits behind the three queued batch requests",
-)
 def test_interactive_requests_are_admitted_ahead_of_queued_batch_work(one_slot: RunningGateway) -> None:
     client = _client(one_slot, "unused")
     gate = one_slot.state.backends["reference"].gate  # type: ignore[attr-defined]
@@ -308,3 +304,62 @@ def test_batches_list_pages_newest_first(tenants: RunningGateway) -> None:
     raw = httpx.get(f"{tenants.base_url}/v1/batches?limit=0", headers={"Authorization": f"Bearer {KEY_B}"})
     assert raw.status_code == 400
     assert raw.json()["error"]["param"] == "limit"
+
+
+class _Clock:
+    """The Batch API's wall clock, which a test moves forward."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
+def test_a_batch_past_its_window_expires_with_its_partial_output_and_files_go_after_retention(
+    tmp_path: Path,
+) -> None:
+    clock = _Clock()
+    config = GatewayConfig(
+        server={
+            "batches": {
+                "store": f"sqlite://{tmp_path / 'batches.sqlite3'}",
+                "concurrency_per_batch": 2,
+                "lease_seconds": 0.3,
+                "poll_seconds": 0.2,
+            }
+        },
+        backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": STEP}}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    gateway = start_gateway(config, batch_clock=clock)
+    try:
+        client = _client(gateway, "unused")
+        short = [_chat(f"short-{i}", max_tokens=4) for i in range(2)]
+        long = [_chat(f"long-{i}", max_tokens=2000, ignore_eos=True) for i in range(4)]
+        batch = _submit(client, [*short, *long])
+        assert wait_until(
+            lambda: (
+                client.batches.retrieve(batch.id).request_counts.completed == 2  # type: ignore[union-attr]
+                and gateway.engine_unfinished() == 2
+            ),
+            timeout=30,
+        )
+        clock.offset = 24 * 3600 + 60  # past the 24 h window
+        ended = _ended(client, batch.id)
+
+        assert ended.status == "expired"
+        assert ended.expired_at is not None and ended.expired_at >= ended.expires_at  # type: ignore[operator]
+        assert gateway.engine_idle()
+        assert [line["custom_id"] for line in _lines(client, ended.output_file_id)] == ["short-0", "short-1"]
+        errors = _lines(client, ended.error_file_id)
+        assert sorted(line["custom_id"] for line in errors) == [f"long-{i}" for i in range(4)]
+        assert {line["error"]["code"] for line in errors} == {"batch_expired"}
+
+        clock.offset += 31 * 24 * 3600  # past the files' 30 days
+        for file_id in (ended.input_file_id, ended.output_file_id, ended.error_file_id):
+            with pytest.raises(openai.NotFoundError):
+                client.files.retrieve(file_id)  # type: ignore[arg-type]
+        assert client.files.list().data == []
+    finally:
+        stop_gateway(gateway)

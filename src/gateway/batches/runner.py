@@ -237,6 +237,8 @@ class BatchRunner:
         if stored is None:
             logger.warning("batch %s: lease lost to another process; its requests here stop", batch_id)
             run.stop_for("lost")
+        elif self._clock() >= stored["expires_at"]:
+            run.stop_for("expired")
         elif stored["status"] == CANCELLING:
             run.claim.batch.update(status=CANCELLING, cancelling_at=stored["cancelling_at"])
             run.stop_for("cancelled")
