@@ -20,7 +20,7 @@ from gateway.anthropic.signatures import signer_for
 from gateway.auth import ApiKeyMiddleware, key_label
 from gateway.batches import routes as batches
 from gateway.batches.runner import BatchRunner
-from gateway.batches.store import BatchStore, store_path
+from gateway.batches.store import open_batch_store
 from gateway.bodies import JSONBodyParser
 from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
@@ -94,7 +94,7 @@ def create_app(
     batch_config = server.batches
     batch_runner = (
         BatchRunner(
-            BatchStore(store_path(batch_config.store), max_stored_bytes=batch_config.max_stored_bytes),
+            open_batch_store(batch_config, store.client if store is not None else None),
             batch_config,
             model_exists=lambda name: _serves(config, name),
             registry=metrics.registry,

@@ -211,6 +211,15 @@ class ServerConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _batch_store_exists(self) -> ServerConfig:
+        if self.batches.store == "state_store" and (self.state_store is None or self.batches.files_dir is None):
+            raise ValueError(
+                "batches.store: state_store needs server.state_store (redis://...) and batches.files_dir (a folder "
+                "every replica mounts, for the files' contents)"
+            )
+        return self
+
     def client_keys(self) -> list[ApiKeyConfig]:
         return [ApiKeyConfig(key=k) if isinstance(k, str) else k for k in self.api_keys]
 

@@ -20,6 +20,7 @@ from gateway.batches.records import ENDED_STATUSES
 from gateway.config import GatewayConfig
 
 from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway, wait_until
+from ..valkey import ValkeyServer
 
 KEY_A = "sk-batch-tenant-a-0123"
 KEY_B = "sk-batch-tenant-b-0123"
@@ -67,25 +68,42 @@ def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
-@pytest.fixture(scope="module")
-def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
-    """Two keys (one with a token budget) on a timed reference engine, batches in an SQLite file of their own."""
-    store = tmp_path_factory.mktemp("batches") / "batches.sqlite3"
-    config = GatewayConfig(
-        server={
-            "api_keys": [
-                {"key": KEY_A, "name": "team-a", "tokens_per_minute": 1_000_000},
-                {"key": KEY_B, "name": "team-b"},
-            ],
-            "admin_api_key": ADMIN_KEY,
-            "batches": {"store": f"sqlite://{store}", "concurrency_per_batch": 2, "poll_seconds": 0.2},
-        },
-        backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": STEP}}],
-        models=[{"name": MODEL, "backends": ["reference"]}],
-    )
-    running = start_gateway(config)
-    yield running
-    stop_gateway(running)
+@pytest.fixture(scope="module", params=["sqlite", "valkey"])
+def tenants(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[RunningGateway]:
+    """Two keys (one with a token budget) on a timed reference engine; batches in an SQLite file of their own, or
+    in a real Valkey (the state store) with file contents in a folder."""
+    folder = tmp_path_factory.mktemp("batches")
+    with _batch_store(request.param, folder) as (state_store, batches):
+        config = GatewayConfig(
+            server={
+                "api_keys": [
+                    {"key": KEY_A, "name": "team-a", "tokens_per_minute": 1_000_000},
+                    {"key": KEY_B, "name": "team-b"},
+                ],
+                "admin_api_key": ADMIN_KEY,
+                "state_store": state_store,
+                "batches": {**batches, "concurrency_per_batch": 2, "poll_seconds": 0.2},
+            },
+            backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": STEP}}],
+            models=[{"name": MODEL, "backends": ["reference"]}],
+        )
+        running = start_gateway(config)
+        yield running
+        stop_gateway(running)
+
+
+@contextlib.contextmanager
+def _batch_store(kind: str, folder: Path) -> Iterator[tuple[str | None, dict[str, Any]]]:
+    """``server.state_store`` and ``server.batches`` for a store of that kind (a real Valkey is started)."""
+    if kind == "sqlite":
+        yield None, {"store": f"sqlite://{folder / 'batches.sqlite3'}"}
+        return
+    valkey = ValkeyServer(folder)
+    valkey.start()
+    try:
+        yield valkey.url, {"store": "state_store", "files_dir": str(folder / "files")}
+    finally:
+        valkey.kill()
 
 
 def test_batch_round_trip_answers_each_custom_id_once_and_bad_bodies_get_the_online_400(

@@ -11,10 +11,16 @@ class BatchesConfig(BaseModel):
     enabled: bool = Field(True, description="serve /v1/files and /v1/batches and run batches on this process")
     store: str = Field(
         "sqlite",
-        pattern=r"^(sqlite|sqlite://.+)$",
+        pattern=r"^(sqlite|sqlite://.+|state_store)$",
         description="where files and batch state live: sqlite (batches.sqlite3 in $DEEPINFER_GATEWAY_CACHE or "
-        "~/.cache/deepinfer-gateway, beside the stored responses) or sqlite://PATH; every process of a host (and "
-        "every replica mounting the same volume) that opens the same file shares its batches",
+        "~/.cache/deepinfer-gateway, beside the stored responses) or sqlite://PATH, shared by the processes that "
+        "open the same file; or state_store: the Redis/Valkey of server.state_store, shared by every replica, with "
+        "file contents in files_dir",
+    )
+    files_dir: str | None = Field(
+        None,
+        description="with store: state_store, the folder file contents go to: a volume every replica mounts "
+        "(Redis holds only their metadata)",
     )
     max_file_bytes: int = Field(100 * 1024 * 1024, ge=1024, description="largest file POST /v1/files accepts")
     max_lines: int = Field(50_000, ge=1, description="most requests (lines) a batch input file may hold")
