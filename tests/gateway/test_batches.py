@@ -73,7 +73,7 @@ def tenants(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
     """Two keys (one with a token budget) on a timed reference engine; batches in an SQLite file of their own, or
     in a real Valkey (the state store) with file contents in a folder."""
     folder = tmp_path_factory.mktemp("batches")
-    with _batch_store(request.param, folder) as (state_store, batches):
+    with _batch_store(request.param, folder) as (state_store, batches, _):
         config = GatewayConfig(
             server={
                 "api_keys": [
@@ -93,17 +93,18 @@ def tenants(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
 
 
 @contextlib.contextmanager
-def _batch_store(kind: str, folder: Path) -> Iterator[tuple[str | None, dict[str, Any]]]:
-    """``server.state_store`` and ``server.batches`` for a store of that kind (a real Valkey is started)."""
+def _batch_store(kind: str, folder: Path) -> Iterator[tuple[str | None, dict[str, Any], ValkeyServer | None]]:
+    """``server.state_store`` and ``server.batches`` for a store of that kind, and the real Valkey started for it."""
     if kind == "sqlite":
-        yield None, {"store": f"sqlite://{folder / 'batches.sqlite3'}"}
+        yield None, {"store": f"sqlite://{folder / 'batches.sqlite3'}"}, None
         return
     valkey = ValkeyServer(folder)
     valkey.start()
     try:
-        yield valkey.url, {"store": "state_store", "files_dir": str(folder / "files")}
+        yield valkey.url, {"store": "state_store", "files_dir": str(folder / "files")}, valkey
     finally:
-        valkey.kill()
+        if valkey.process is not None and valkey.process.poll() is None:
+            valkey.kill()
 
 
 def test_batch_round_trip_answers_each_custom_id_once_and_bad_bodies_get_the_online_400(
@@ -381,3 +382,28 @@ def test_a_batch_past_its_window_expires_with_its_partial_output_and_files_go_af
         assert client.files.list().data == []
     finally:
         stop_gateway(gateway)
+
+
+def test_a_failing_batch_store_is_a_503_to_retry_and_takes_nothing_down(tmp_path: Path) -> None:
+    with _batch_store("valkey", tmp_path) as (state_store, batches, valkey):
+        config = GatewayConfig(
+            server={"state_store": state_store, "batches": {**batches, "poll_seconds": 0.2}},
+            backends=[{"name": "reference", "kind": "reference"}],
+            models=[{"name": MODEL, "backends": ["reference"]}],
+        )
+        gateway = start_gateway(config)
+        try:
+            client = _client(gateway, "unused")
+            uploaded = client.files.create(file=("in.jsonl", _jsonl([_chat("a", max_tokens=2)])), purpose="batch")
+            assert valkey is not None
+            valkey.kill()
+            with pytest.raises(openai.InternalServerError) as down:
+                client.files.retrieve(uploaded.id)
+            assert down.value.status_code == 503
+            assert down.value.body["code"] == "batch_store_unavailable"  # type: ignore[index]
+            assert down.value.response.headers["retry-after"] == "1"
+            assert httpx.get(f"{gateway.base_url}/health").status_code == 200
+            answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            assert answer.choices[0].message.content is not None  # online traffic does not need the batch store
+        finally:
+            stop_gateway(gateway)

@@ -3,10 +3,14 @@ them; another key's id gets the 404 an unknown id gets."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import logging
+import sqlite3
+from collections.abc import Awaitable
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
+from redis.exceptions import RedisError
 from starlette.datastructures import QueryParams, UploadFile
 from starlette.responses import Response
 
@@ -17,6 +21,8 @@ from gateway.batches.store import StoreLimitError
 from gateway.errors import APIError
 from gateway.state import gateway_state
 
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 router = APIRouter(tags=["batches"])
 UPLOAD_PATH = "/v1/files"
 MULTIPART_OVERHEAD = 64 * 1024
@@ -31,6 +37,21 @@ class CreateBatchRequest(BaseModel):
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     completion_window: Literal["24h"]
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+
+
+async def _stored(work: Awaitable[T]) -> T:
+    """A store call; a store that fails (its file, its server) is a 503 the client may retry, never a 500."""
+    try:
+        return await work
+    except (sqlite3.Error, OSError, RedisError) as exc:
+        logger.exception("the batch store failed")
+        raise APIError(
+            503,
+            f"The batch store is unavailable ({type(exc).__name__}); retry shortly.",
+            type="server_error",
+            code="batch_store_unavailable",
+            headers={"Retry-After": "1"},
+        ) from None
 
 
 def _runner(request: Request) -> BatchRunner:
@@ -139,7 +160,7 @@ async def create_file(request: Request) -> dict[str, Any]:
         expires_at=int(now + retention) if retention is not None else None,
     )
     try:
-        await runner.store.add_file(file, request_owner(request), content)
+        await _stored(runner.store.add_file(file, request_owner(request), content))
     except StoreLimitError as exc:
         raise APIError(400, exc.message, param="file", code=exc.code) from None
     return file
@@ -152,13 +173,15 @@ async def list_files(request: Request) -> dict[str, Any]:
     purpose = _choice(query, "purpose", (INPUT_PURPOSE, OUTPUT_PURPOSE, None))
     order = _choice(query, "order", ("desc", "asc"))
     limit = _limit(query, default=10_000, most=10_000)
-    files = await runner.store.list_files(
-        request_owner(request),
-        runner.now(),
-        purpose=purpose,
-        after=_after(query),
-        limit=limit + 1,
-        descending=order == "desc",
+    files = await _stored(
+        runner.store.list_files(
+            request_owner(request),
+            runner.now(),
+            purpose=purpose,
+            after=_after(query),
+            limit=limit + 1,
+            descending=order == "desc",
+        )
     )
     return _page(files, limit)
 
@@ -166,7 +189,7 @@ async def list_files(request: Request) -> dict[str, Any]:
 @router.get("/v1/files/{file_id}")
 async def retrieve_file(file_id: str, request: Request) -> dict[str, Any]:
     runner = _runner(request)
-    file = await runner.store.get_file(file_id, request_owner(request), runner.now())
+    file = await _stored(runner.store.get_file(file_id, request_owner(request), runner.now()))
     if file is None:
         raise _no_file(file_id)
     return file
@@ -175,7 +198,7 @@ async def retrieve_file(file_id: str, request: Request) -> dict[str, Any]:
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, request: Request) -> Response:
     runner = _runner(request)
-    content = await runner.store.file_content(file_id, request_owner(request), runner.now())
+    content = await _stored(runner.store.file_content(file_id, request_owner(request), runner.now()))
     if content is None:
         raise _no_file(file_id)
     return Response(content, media_type="application/jsonl")
@@ -184,7 +207,7 @@ async def file_content(file_id: str, request: Request) -> Response:
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request) -> dict[str, Any]:
     runner = _runner(request)
-    if not await runner.store.delete_file(file_id, request_owner(request)):
+    if not await _stored(runner.store.delete_file(file_id, request_owner(request))):
         raise _no_file(file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
@@ -193,7 +216,7 @@ async def delete_file(file_id: str, request: Request) -> dict[str, Any]:
 async def create_batch(body: CreateBatchRequest, request: Request) -> dict[str, Any]:
     runner = _runner(request)
     owner = request_owner(request)
-    file = await runner.store.get_file(body.input_file_id, owner, runner.now())
+    file = await _stored(runner.store.get_file(body.input_file_id, owner, runner.now()))
     if file is None:
         raise APIError(404, f"No file found with id '{body.input_file_id}'.", param="input_file_id", code="not_found")
     if file["purpose"] != INPUT_PURPOSE:
@@ -212,7 +235,9 @@ async def create_batch(body: CreateBatchRequest, request: Request) -> dict[str, 
         metadata=body.metadata,
     )
     try:
-        await runner.store.add_batch(batch, owner, request_label(request), runner.config.max_open_batches_per_key)
+        await _stored(
+            runner.store.add_batch(batch, owner, request_label(request), runner.config.max_open_batches_per_key)
+        )
     except StoreLimitError as exc:
         raise APIError(400, exc.message, code=exc.code) from None
     runner.created(batch, request_label(request))
@@ -223,8 +248,8 @@ async def create_batch(body: CreateBatchRequest, request: Request) -> dict[str, 
 async def list_batches(request: Request) -> dict[str, Any]:
     runner = _runner(request)
     limit = _limit(request.query_params, default=20, most=100)
-    batches = await runner.store.list_batches(
-        request_owner(request), after=_after(request.query_params), limit=limit + 1
+    batches = await _stored(
+        runner.store.list_batches(request_owner(request), after=_after(request.query_params), limit=limit + 1)
     )
     return _page(batches, limit)
 
@@ -232,7 +257,7 @@ async def list_batches(request: Request) -> dict[str, Any]:
 @router.get("/v1/batches/{batch_id}")
 async def retrieve_batch(batch_id: str, request: Request) -> dict[str, Any]:
     runner = _runner(request)
-    batch = await runner.store.get_batch(batch_id, request_owner(request))
+    batch = await _stored(runner.store.get_batch(batch_id, request_owner(request)))
     if batch is None:
         raise _no_batch(batch_id)
     return batch
@@ -241,7 +266,7 @@ async def retrieve_batch(batch_id: str, request: Request) -> dict[str, Any]:
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
     runner = _runner(request)
-    batch = await runner.store.cancel(batch_id, request_owner(request), int(runner.now()))
+    batch = await _stored(runner.store.cancel(batch_id, request_owner(request), int(runner.now())))
     if batch is None:
         raise _no_batch(batch_id)
     if batch["status"] not in ("cancelling", "cancelled"):
