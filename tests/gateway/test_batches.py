@@ -259,7 +259,7 @@ def test_interactive_requests_are_admitted_ahead_of_queued_batch_work(one_slot: 
     # with one slot, requests end in the order they were admitted: the interactive one right after the batch
     # request that held the slot when it came, ahead of the three batch requests queued before it
     generated = [request_id for request_id in admitted if request_id == "interactive" or batch.id in request_id]
-    assert generated == [f"{batch.id}-1", "interactive"]
+    assert generated[:2] == [f"{batch.id}-1", "interactive"]
 
 
 def test_limits_on_files_lines_open_batches_and_stored_bytes(tmp_path: Path) -> None:
