@@ -47,7 +47,7 @@ KEYS = {
 HI = [{"role": "user", "content": "hi"}]
 
 
-def _config(budget_tokens: int) -> GatewayConfig:
+def _config(budget_tokens: int, ranks: int = 1) -> GatewayConfig:
     return GatewayConfig(
         server={
             "api_keys": [
@@ -69,7 +69,8 @@ def _config(budget_tokens: int) -> GatewayConfig:
             {
                 "name": "reference",
                 "kind": "reference",
-                "max_num_seqs": SLOTS,
+                "max_num_seqs": SLOTS // ranks,  # per rank
+                "data_parallel_size": ranks,
                 "max_in_flight": SLOTS,
                 "max_queue": 64,
                 "queue_timeout": 60,
@@ -92,6 +93,15 @@ def _reservation(body: dict[str, Any]) -> int:
 @pytest.fixture(scope="module")
 def flow() -> Iterator[RunningGateway]:
     running = start_gateway(_config(_reservation(BUDGET_BODY)), budget_clock=lambda: 0.0)  # budgets never refill
+    yield running
+    stop_gateway(running)
+
+
+@pytest.fixture(scope="module")
+def ranked_flow() -> Iterator[RunningGateway]:
+    """The same behind two data-parallel ranks of 2 slots each, in worker processes: the queue is the gateway's,
+    in front of the dispatcher that balances admitted requests over the ranks."""
+    running = start_gateway(_config(_reservation(BUDGET_BODY), ranks=2), budget_clock=lambda: 0.0)
     yield running
     stop_gateway(running)
 
@@ -175,9 +185,12 @@ def _flooded(gateway: RunningGateway, late: Callable[[Flood], int]) -> Flood:
     return flood
 
 
+@pytest.mark.parametrize("layout", ["flow", "ranked_flow"])
 def test_a_light_key_is_admitted_as_soon_as_a_slot_frees_while_the_flooding_key_waits_its_turn(
-    flow: RunningGateway,
+    layout: str, request: pytest.FixtureRequest
 ) -> None:
+    flow: RunningGateway = request.getfixturevalue(layout)
+
     def light(flood: Flood) -> int:
         flood.send("light-0", "light")
         flood.send("light-1", "light")
@@ -192,9 +205,12 @@ def test_a_light_key_is_admitted_as_soon_as_a_slot_frees_while_the_flooding_key_
     assert sum(1 for name in order[:last_light] if name.startswith("flood")) <= 2, order
 
 
+@pytest.mark.parametrize("layout", ["flow", "ranked_flow"])
 def test_priority_requests_get_their_first_token_before_the_default_flood_sent_before_them(
-    flow: RunningGateway,
+    layout: str, request: pytest.FixtureRequest
 ) -> None:
+    flow: RunningGateway = request.getfixturevalue(layout)
+
     def priority(flood: Flood) -> int:
         flood.send("priority-0", "flood", service_tier="priority")
         flood.send("priority-1", "flood", service_tier="priority")
@@ -296,6 +312,8 @@ def test_the_tier_a_key_may_use_is_echoed_in_every_body_and_chunk(flow: RunningG
         )
     )
     assert {getattr(chunk, "service_tier", None) for chunk in streamed} == {"default"}
+    scale = light.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, service_tier="scale")
+    assert scale.service_tier == "default"  # OpenAI's scale tier is not one of ours: the key's default
     response = light.responses.create(model=MODEL, input="hi", max_output_tokens=4, service_tier="priority")
     assert response.service_tier == "priority"
     events = list(standard.responses.create(model=MODEL, input="hi", max_output_tokens=4, stream=True))
@@ -346,3 +364,30 @@ def test_queue_depth_and_waits_are_exported_by_tier_and_key(flow: RunningGateway
         held.release()
         flood.wait()
     assert flow.metric("gateway_admission_wait_seconds_count", tier="priority", key="light") == waited + 1
+
+
+def test_a_shadow_copy_leaves_the_clients_log_line_to_the_client() -> None:
+    """The primary has no admission bound, its shadow does: the client's log line has no admission of its own, and
+    the shadow's (which starts while the primary still decodes) must not be written into it."""
+    config = GatewayConfig(
+        backends=[
+            {
+                "name": "reference",
+                "kind": "reference",
+                "max_in_flight": None,
+                "timing": {"decode_seconds_per_step": STEP_SECONDS},
+            },
+            {"name": "spare", "kind": "reference", "max_in_flight": SLOTS},
+        ],
+        models=[{"name": MODEL, "backends": ["reference"], "shadow": {"backend": "spare", "fraction": 1.0}}],
+    )
+    running = start_gateway(config)
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+        with captured_logs(running) as logs:
+            client.chat.completions.create(model=MODEL, messages=HI, max_tokens=SHORT, extra_body={"ignore_eos": True})
+        assert wait_until(lambda: all(s.active == 0 for s in running.state.router.shadows()))
+        (line,) = [line for line in logs if line.get("event") == "request"]
+        assert line["backend"] == "reference" and "admission" not in line, line
+    finally:
+        stop_gateway(running)
