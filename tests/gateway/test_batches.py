@@ -19,6 +19,7 @@ from openai.types import Batch
 from gateway.batches.records import ENDED_STATUSES
 from gateway.config import GatewayConfig
 
+from ..budget_client import prompt_estimate
 from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway, wait_until
 from ..valkey import ValkeyServer
 
@@ -407,3 +408,82 @@ def test_a_failing_batch_store_is_a_503_to_retry_and_takes_nothing_down(tmp_path
             assert answer.choices[0].message.content is not None  # online traffic does not need the batch store
         finally:
             stop_gateway(gateway)
+
+
+class _BudgetClock:
+    """The budgets' clock: stopped (a spent budget stays spent) until ``run``, then an hour per second."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+        self.running_since: float | None = None
+
+    def run(self) -> None:
+        self.running_since = time.monotonic()
+
+    def __call__(self) -> float:
+        if self.running_since is None:
+            return self.now
+        return self.now + (time.monotonic() - self.running_since) * 3600
+
+
+def test_a_spent_budget_holds_batch_requests_back_until_it_refills_and_fails_none(tmp_path: Path) -> None:
+    clock = _BudgetClock()
+    lines = [_chat(f"metered-{i}", max_tokens=8) for i in range(6)]
+    per_request = prompt_estimate(lines[0]["body"]) + 8
+    config = GatewayConfig(
+        server={
+            "api_keys": [{"key": KEY_A, "name": "metered", "tokens_per_minute": 2 * per_request + 4}],
+            "admin_api_key": ADMIN_KEY,
+            "batches": {
+                "store": f"sqlite://{tmp_path / 'batches.sqlite3'}",
+                "concurrency_per_batch": 1,
+                "retry_seconds": 0.05,
+                "retry_max_seconds": 0.1,
+            },
+        },
+        backends=[{"name": "reference", "kind": "reference"}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    gateway = start_gateway(config, budget_clock=clock)
+    try:
+        client = _client(gateway, KEY_A)
+        batch = _submit(client, lines)
+        # the budget covers a few requests (a request is charged what it used, less than it reserved): the next is
+        # refused (429) and put back, again and again
+        assert wait_until(lambda: gateway.metric("gateway_batch_request_retries_total") >= 3)
+        held = client.batches.retrieve(batch.id)
+        assert held.status == "in_progress"
+        assert held.request_counts is not None
+        assert 2 <= held.request_counts.completed < len(lines)
+        assert held.request_counts.failed == 0
+
+        clock.run()  # the budget refills: the held requests go on
+        ended = _ended(client, batch.id)
+        assert ended.status == "completed"
+        assert ended.request_counts is not None
+        assert (ended.request_counts.completed, ended.request_counts.failed) == (len(lines), 0)
+        assert ended.error_file_id is None
+        assert gateway.metric("gateway_key_rate_limited_total", key="metered") >= 3
+    finally:
+        stop_gateway(gateway)
+
+
+def test_a_responses_batch_answers_with_response_objects(tenants: RunningGateway) -> None:
+    client = _client(tenants, KEY_A)
+    lines = [
+        {
+            "custom_id": f"resp-{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": MODEL, "input": f"Say {i}", "max_output_tokens": 6},
+        }
+        for i in range(2)
+    ]
+    batch = _ended(client, _submit(client, lines, endpoint="/v1/responses").id)
+    assert batch.status == "completed"
+    output = _lines(client, batch.output_file_id)
+    assert [line["custom_id"] for line in output] == ["resp-0", "resp-1"]
+    for line in output:
+        body = line["response"]["body"]
+        assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
+        assert client.responses.retrieve(body["id"]).id == body["id"]  # stored for the key, as online

@@ -42,3 +42,6 @@ class BatchesConfig(BaseModel):
     retry_seconds: float = Field(
         1.0, gt=0, description="wait before a request refused for capacity (429 budget, 503) is tried again, at least"
     )
+    retry_max_seconds: float = Field(
+        30.0, gt=0, description="the longest such wait, whatever the answer's Retry-After says"
+    )

@@ -53,7 +53,6 @@ _transitions = structlog.get_logger("gateway.batches")
 BATCH_TIER = "batch"
 RETRIED_STATUSES = frozenset({429, 503})
 """Answers that say "not now" (the key's budget, a saturated backend, a draining process): tried again later."""
-MAX_RETRY_WAIT = 30.0
 CLIENT_CLOSED_REQUEST = 499
 STREAM_REFUSED = orjson.dumps(
     {
@@ -343,7 +342,8 @@ class BatchRunner:
             if answer.status not in RETRIED_STATUSES:
                 return answer
             self.metrics.retries.inc()
-            wait = max(self.config.retry_seconds, min(answer.retry_after or 0.0, MAX_RETRY_WAIT))
+            config = self.config
+            wait = max(config.retry_seconds, min(answer.retry_after or 0.0, config.retry_max_seconds))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.stop.wait(), wait)
             if run.stop.is_set():
