@@ -487,3 +487,30 @@ def test_a_responses_batch_answers_with_response_objects(tenants: RunningGateway
         body = line["response"]["body"]
         assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
         assert client.responses.retrieve(body["id"]).id == body["id"]  # stored for the key, as online
+
+
+def test_a_process_runs_at_most_batches_per_process_and_takes_the_next_when_one_ends(tmp_path: Path) -> None:
+    config = GatewayConfig(
+        server={
+            "batches": {
+                "store": f"sqlite://{tmp_path / 'batches.sqlite3'}",
+                "batches_per_process": 1,
+                "poll_seconds": 0.2,
+            }
+        },
+        backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": STEP}}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    gateway = start_gateway(config)
+    try:
+        client = _client(gateway, "unused")
+        first = _submit(client, [_chat("first", max_tokens=2000, ignore_eos=True)])
+        assert wait_until(lambda: gateway.engine_unfinished() == 1)
+        second = _submit(client, [_chat("second", max_tokens=2)])
+        assert wait_until(lambda: gateway.metric("gateway_batches", status="validating") == 1)
+        assert client.batches.retrieve(second.id).status == "validating"  # waits for the process's one batch
+        client.batches.cancel(first.id)
+        assert _ended(client, first.id).status == "cancelled"
+        assert _ended(client, second.id).status == "completed"
+    finally:
+        stop_gateway(gateway)

@@ -30,6 +30,9 @@ class BatchesConfig(BaseModel):
     max_open_batches_per_key: int = Field(
         16, ge=1, description="batches a key may have not yet ended (validating, in progress, finalizing, cancelling)"
     )
+    batches_per_process: int = Field(
+        4, ge=1, description="batches one process runs at once; more wait for it, or run on another process or replica"
+    )
     concurrency_per_batch: int = Field(8, ge=1, description="requests of one batch running at once")
     concurrency_per_key: int = Field(16, ge=1, description="requests of one key's batches running at once, per process")
     lease_seconds: float = Field(

@@ -171,7 +171,8 @@ class BatchRunner:
                 claim = None
                 if self.store.exists():
                     await self._housekeeping()
-                    claim = await self._claim()
+                    if len(self._runs) < self.config.batches_per_process:
+                        claim = await self._claim()
                 if claim is not None:
                     run = self._runs[claim.batch["id"]] = _Run(claim)
                     task = asyncio.create_task(self._run_batch(run))
@@ -214,6 +215,7 @@ class BatchRunner:
             renewing.cancel()
             await asyncio.gather(renewing, return_exceptions=True)
             self._runs.pop(batch_id, None)
+            self._wake.set()  # room for another batch
             if run.reason in ("shutdown", "lost") or run.reason is None:
                 with contextlib.suppress(Exception):
                     await self.store.release(batch_id, self.holder)
