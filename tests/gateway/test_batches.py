@@ -507,8 +507,10 @@ def test_a_process_runs_at_most_batches_per_process_and_takes_the_next_when_one_
         first = _submit(client, [_chat("first", max_tokens=2000, ignore_eos=True)])
         assert wait_until(lambda: gateway.engine_unfinished() == 1)
         second = _submit(client, [_chat("second", max_tokens=2)])
+        # the runner looked after the second was created (its gauges are set after each look) and left it waiting
         assert wait_until(lambda: gateway.metric("gateway_batches", status="validating") == 1)
-        assert client.batches.retrieve(second.id).status == "validating"  # waits for the process's one batch
+        assert gateway.metric("gateway_batches_running") == 1
+        assert client.batches.retrieve(second.id).status == "validating"
         client.batches.cancel(first.id)
         assert _ended(client, first.id).status == "cancelled"
         assert _ended(client, second.id).status == "completed"

@@ -85,6 +85,9 @@ class BatchMetrics:
             "Batch requests put back for later because the API said not now (429 budget, 503 capacity).",
             registry=registry,
         )
+        self.running = Gauge(
+            "gateway_batches_running", "Batches this process runs now (holds the lease of).", registry=registry
+        )
         self.pending = Gauge(
             "gateway_batch_requests_pending",
             "Requests of the batches this process runs that have no result yet.",
@@ -170,11 +173,12 @@ class BatchRunner:
             while True:
                 claim = None
                 if self.store.exists():
-                    await self._housekeeping()
                     if len(self._runs) < self.config.batches_per_process:
                         claim = await self._claim()
+                    await self._housekeeping()  # after the claim: the gauges say what this look decided
                 if claim is not None:
                     run = self._runs[claim.batch["id"]] = _Run(claim)
+                    self.metrics.running.set(len(self._runs))
                     task = asyncio.create_task(self._run_batch(run))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
@@ -215,6 +219,7 @@ class BatchRunner:
             renewing.cancel()
             await asyncio.gather(renewing, return_exceptions=True)
             self._runs.pop(batch_id, None)
+            self.metrics.running.set(len(self._runs))
             self._wake.set()  # room for another batch
             if run.reason in ("shutdown", "lost") or run.reason is None:
                 with contextlib.suppress(Exception):
