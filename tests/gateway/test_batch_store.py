@@ -112,6 +112,8 @@ def test_a_lease_is_taken_over_only_once_it_ran_out_and_its_old_holder_writes_no
         assert await store.get_file("file-out", OWNER, now=0.0) is None
 
         assert await store.finish({**taken.batch, "status": "completed"}, "b", [(output, b"x\n")], OWNER)
+        late = Result(1, True, 1, {"custom_id": "late"})  # a's request, ending after the batch did
+        assert not await store.add_result(batch["id"], late)
         assert await store.file_content("file-out", OWNER, now=0.0) == b"x\n"
         assert await store.claim("c", now=T0 + 10 * LEASE, lease_seconds=LEASE) is None  # ended: nobody runs it
         assert (await store.count_by_status()).get("completed") == 1

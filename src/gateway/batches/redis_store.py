@@ -141,8 +141,10 @@ end
 return 1
 """
 
-# KEYS: results, counts. ARGV: line, result, ok (1/0). Returns 1 when kept.
+# KEYS: results, counts, batch. ARGV: line, result, ok (1/0), ended statuses. Returns 1 when kept.
 _ADD_RESULT = """
+local status = redis.call('HGET', KEYS[3], 'status')
+if not status or string.find(' ' .. ARGV[4] .. ' ', ' ' .. status .. ' ', 1, true) then return 0 end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('HINCRBY', KEYS[2], ARGV[3] == '1' and 'completed' or 'failed', 1)
 return 1
@@ -321,8 +323,10 @@ class RedisBatchStore:
             )
 
     async def _with_counts(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if batch["status"] in ENDED_STATUSES:  # its object holds the final counts
+            return batch
         counts = await self._client.hgetall(_counts(batch["id"]))
-        if counts:  # while it runs; once it ended, its object holds the final counts
+        if counts:
             batch["request_counts"]["completed"] = int(counts.get(b"completed", 0))
             batch["request_counts"]["failed"] = int(counts.get(b"failed", 0))
         return batch
@@ -392,7 +396,9 @@ class RedisBatchStore:
     async def add_result(self, batch_id: str, result: Result) -> bool:
         blob = orjson.dumps({"ok": result.ok, "tokens": result.tokens, "result": result.result})
         kept = await self._run(
-            "add_result", [_results(batch_id), _counts(batch_id)], [result.line, blob, "1" if result.ok else "0"]
+            "add_result",
+            [_results(batch_id), _counts(batch_id), _batch(batch_id)],
+            [result.line, blob, "1" if result.ok else "0", _ENDED],
         )
         return bool(kept)
 

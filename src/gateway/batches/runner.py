@@ -379,11 +379,14 @@ class BatchRunner:
         """Writes the batch's result files and its last status in one transaction."""
         claim = run.claim
         batch = claim.batch
+        results = await self.store.results(batch["id"]) if lines is not None else []
+        counts = batch["request_counts"]
+        counts["completed"] = sum(result.ok for result in results)
+        counts["failed"] = len(results) - counts["completed"]
         if status != FAILED:
             await self._transition(run, FINALIZING)
         files: list[tuple[dict[str, Any], bytes]] = []
         if lines is not None:
-            results = await self.store.results(batch["id"])
             code = {CANCELLED: "batch_cancelled", EXPIRED: "batch_expired"}.get(status, "batch_failed")
             output, error = await asyncio.to_thread(_result_files, results, lines, code)
             created = int(self._clock())
@@ -401,9 +404,6 @@ class BatchRunner:
                     )
                     batch[f"{kind}_file_id"] = file["id"]
                     files.append((file, content))
-            counts = batch["request_counts"]
-            counts["completed"] = sum(result.ok for result in results)
-            counts["failed"] = len(results) - counts["completed"]
         if errors is not None:
             batch["errors"] = {"object": "list", "data": errors}
         previous = batch["status"]

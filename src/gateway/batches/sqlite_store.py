@@ -316,16 +316,22 @@ class SQLiteBatchStore:
     # results
 
     async def add_result(self, batch_id: str, result: Result) -> bool:
-        """Records one request's result, unless that line has one already; True when this one was kept."""
-        return await self.run(
-            lambda db: (
-                db.execute(
-                    "INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?)",
-                    (batch_id, result.line, int(result.ok), result.tokens, orjson.dumps(result.result)),
-                ).rowcount
-                > 0
-            )
+        """Records one request's result, unless that line has one already or the batch has ended (a process that
+        lost its lease finishing a request late); True when this one was kept."""
+        return await self.run(self._add_result, batch_id, result)
+
+    def _add_result(self, db: sqlite3.Connection, batch_id: str, result: Result) -> bool:
+        marks = ",".join("?" * len(ENDED_STATUSES))
+        ended = db.execute(
+            f"SELECT 1 FROM batches WHERE id = ? AND status IN ({marks})", (batch_id, *ENDED_STATUSES)
+        ).fetchone()
+        if ended is not None:
+            return False
+        kept = db.execute(
+            "INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?)",
+            (batch_id, result.line, int(result.ok), result.tokens, orjson.dumps(result.result)),
         )
+        return kept.rowcount > 0
 
     async def done_lines(self, batch_id: str) -> set[int]:
         return await self.run(
@@ -368,8 +374,12 @@ class SQLiteBatchStore:
                     len(content),
                 ),
             )
-        _write(db, batch)
-        db.execute("UPDATE batches SET holder = NULL, lease_until = 0 WHERE id = ?", (batch["id"],))
+        # its object keeps its final counts, and its results (now in its files) go
+        db.execute(
+            "UPDATE batches SET status = ?, object = ?, holder = NULL, lease_until = 0 WHERE id = ?",
+            (batch["status"], orjson.dumps(batch), batch["id"]),
+        )
+        db.execute("DELETE FROM results WHERE batch_id = ?", (batch["id"],))
         return True
 
     async def results(self, batch_id: str) -> list[Result]:
@@ -396,7 +406,10 @@ def _write(db: sqlite3.Connection, batch: dict[str, Any]) -> None:
 
 
 def _with_counts(db: sqlite3.Connection, batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch with its progress counted from its results (stored results are the one truth)."""
+    """The batch with its progress counted from its results while it runs; an ended batch's object holds its
+    final counts."""
+    if batch["status"] in ENDED_STATUSES:
+        return batch
     counts = dict(db.execute("SELECT ok, count(*) FROM results WHERE batch_id = ? GROUP BY ok", (batch["id"],)))
     batch["request_counts"]["completed"] = counts.get(1, 0)
     batch["request_counts"]["failed"] = counts.get(0, 0)
