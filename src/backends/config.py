@@ -266,11 +266,16 @@ _ENV_HINTS = {
 
 
 class LMDeployBackendConfig(_Admission):
-    """One or more LMDeploy ``api_server`` nodes reached over HTTP (see docs/lmdeploy.md)."""
+    """One or more LMDeploy ``api_server`` nodes or proxies reached over HTTP (see docs/lmdeploy.md)."""
 
     name: str
     kind: Literal["lmdeploy"] = "lmdeploy"
     urls: list[HttpUrl] = Field(min_length=1, description="base URLs of the api_server nodes, without /v1")
+    node_kind: Literal["auto", "api_server", "proxy"] = Field(
+        "auto",
+        description="what the urls are: api_server nodes, LMDeploy proxies (lmdeploy serve proxy), or auto "
+        "(a url whose /health is 404 and whose /nodes/status answers is a proxy)",
+    )
     api_key: str | None = Field(None, description="bearer token the nodes were started with (--api-keys)")
     model: str | None = Field(None, description="upstream model name; discovered from each node's /v1/models if unset")
     model_map: dict[str, str] = Field(

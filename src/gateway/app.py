@@ -151,7 +151,9 @@ def create_app(
             if tracing is not None:
                 await tracing.aclose()  # after the drain and the shadows: every request's spans have ended
 
-    app = FastAPI(title="deepinfer-gateway", version=__version__, lifespan=lifespan)
+    # No redirects for a trailing slash: Starlette's would build its Location from the client's Host header, and
+    # an SDK does not follow a redirect of a POST; ``/metrics/`` is a 404 like any other unknown URL.
+    app = FastAPI(title="deepinfer-gateway", version=__version__, lifespan=lifespan, redirect_slashes=False)
     app.state.gateway = state
     app.state.json_parser = json_parser  # read by the generation routes' OffloadedJSONRoute
     install_error_handlers(app)

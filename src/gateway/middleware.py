@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.connections import BODY_TIMEOUT
-from gateway.errors import APIError, error_body
+from gateway.errors import APIError, error_body, shown_error, unexpected_error
 from gateway.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
@@ -83,10 +83,13 @@ class RequestContextMiddleware:
         header = (_REQUEST_ID, request_id.encode())
         span = self.tracing.start_request(scope, request_id) if self.tracing is not None else None
 
+        started = False
+
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
                 status = message["status"]
+                started = True
                 message["headers"] = [*message.get("headers", []), header]
             await send(message)
 
@@ -125,7 +128,16 @@ class RequestContextMiddleware:
                     left_mid_body = True
                 return message
 
-            await self.app(scope, limited_receive, send_with_id)
+            try:
+                await self.app(scope, limited_receive, send_with_id)
+            except Exception as exc:
+                # A bug, not the client's doing: logged, and answered here as a 500 the client can read, on a
+                # connection that stays usable (an exception left to the server would close it after the answer).
+                # A response already under way cannot be answered: the server closes its connection.
+                error = unexpected_error(exc, scope["path"], log)
+                if started:
+                    raise
+                await _send_error(scope, send_with_id, error)
         finally:
             # A request that reached a backend was counted by its observer (which set the status, the
             # backend's verdict); any other (bad JSON, validation 400, unknown model, 401, 413, 500) is counted here.
@@ -159,7 +171,9 @@ class RequestContextMiddleware:
 
 
 async def _send_error(scope: Scope, send: Send, error: APIError, retry_after: int | None = None) -> None:
-    body = error_body(error, scope["path"], scope["state"].get("request_id"))
+    state = scope["state"]
+    request_id = state.get("request_id")
+    body = error_body(shown_error(error, state.get("log"), request_id), scope["path"], request_id)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))

@@ -1,11 +1,12 @@
 """Flow control under a flood (README, Flow control): service tiers, fair sharing between keys, shedding at arrival.
 
-One real gateway on the reference engine with its timing model and 4 slots (``max_num_seqs`` and ``max_in_flight``).
-Every flood test holds the 4 slots with long streams of the flooding key, queues the flood behind them, lets the
-late arrivals queue too (the gateway's own queue depth says when), then frees the slots by closing the long streams
-and records the order in which the queued requests' first tokens arrive: a slot is handed to a waiter only when a
-request ends, so the order of first tokens is the order of admission wave by wave. Assertions are on that order and
-on counts, never on how long anything took.
+One real gateway on the reference engine with its timing model and 4 slots (``max_num_seqs`` and ``max_in_flight``);
+the light-key and priority tests also behind two data-parallel ranks of 2 slots, and in front of LMDeploy's real
+api_server (the harness node, whose stub engine takes as long a step). Every flood test holds the 4 slots with long
+streams of the flooding key, queues the flood behind them, lets the late arrivals queue too (the gateway's own queue
+depth says when), then frees the slots by closing the long streams and records the order in which the queued
+requests' first tokens arrive: a slot is handed to a waiter only when a request ends, so the order of first tokens
+is the order of admission wave by wave. Assertions are on that order and on counts, never on how long anything took.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 from gateway.capabilities import GatedBackend
 from gateway.config import GatewayConfig
 
+from ..backends.lmdeploy.harness.server import API_KEY, MODEL_NAME, make_node
 from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway, wait_until
 
 SLOTS = 4
@@ -33,7 +35,7 @@ STEP_SECONDS = 0.01
 """Decode time of the reference engine's timing model: a queued request of ``SHORT`` tokens holds its slot for
 about 0.3 s, so the next wave of admissions comes that long after the first tokens of the one before."""
 SHORT = 30
-HELD = 4000
+HELD = 2000
 """Tokens the slot-holding streams ask for: they end only when the test closes them."""
 FLOOD = 12
 KEYS = {
@@ -44,10 +46,22 @@ KEYS = {
     "budget": "sk-budget-0000000005",  # a token budget that fits exactly one request
     "premium": "sk-premium-000000006",  # priority by default
 }
-HI = [{"role": "user", "content": "hi"}]
+HI = [{"role": "user", "content": f"hi [[stub delay={STEP_SECONDS}]]"}]
+"""The prompt of every request: an LMDeploy harness node's stub engine takes its directive (a step's time), the
+reference engine reads it as text."""
+SESSION_LEN = 4096
 
 
-def _config(budget_tokens: int, ranks: int = 1) -> GatewayConfig:
+def _config(budget_tokens: int, ranks: int = 1, lmdeploy: str | None = None) -> GatewayConfig:
+    """``ranks``: data-parallel ranks of the reference engine; ``lmdeploy``: an LMDeploy node's URL instead."""
+    engine: dict[str, Any] = {
+        "kind": "reference",
+        "max_num_seqs": SLOTS // ranks,  # per rank
+        "data_parallel_size": ranks,
+        "timing": {"decode_seconds_per_step": STEP_SECONDS},
+    }
+    if lmdeploy is not None:  # the harness node's stub engine sleeps STEP_SECONDS a step (the prompt's directive)
+        engine = {"kind": "lmdeploy", "urls": [lmdeploy], "api_key": API_KEY, "max_model_len": SESSION_LEN}
     return GatewayConfig(
         server={
             "api_keys": [
@@ -67,15 +81,12 @@ def _config(budget_tokens: int, ranks: int = 1) -> GatewayConfig:
         },
         backends=[
             {
-                "name": "reference",
-                "kind": "reference",
-                "max_num_seqs": SLOTS // ranks,  # per rank
-                "data_parallel_size": ranks,
+                "name": "reference",  # the backend the tests watch, whatever its kind
                 "max_in_flight": SLOTS,
                 "max_queue": 64,
                 "queue_timeout": 60,
                 "tiers": {"flex": {"queue_timeout": 1.0}},
-                "timing": {"decode_seconds_per_step": STEP_SECONDS},
+                **engine,
             }
         ],
         models=[{"name": MODEL, "backends": ["reference"]}],
@@ -104,6 +115,26 @@ def ranked_flow() -> Iterator[RunningGateway]:
     running = start_gateway(_config(_reservation(BUDGET_BODY), ranks=2), budget_clock=lambda: 0.0)
     yield running
     stop_gateway(running)
+
+
+@pytest.fixture(scope="module")
+def lmdeploy_flow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    """The same in front of LMDeploy's real api_server (the harness node, its stub engine): the node would take
+    every request at once; the gateway admits 4 and keeps the rest in its queues."""
+    node = make_node(
+        tmp_path_factory.mktemp("flow-lmdeploy"),
+        "flow",
+        "--model-name",
+        MODEL_NAME,
+        "--session-len",
+        str(SESSION_LEN),
+        "--api-keys",
+        API_KEY,
+    ).start()
+    running = start_gateway(_config(_reservation(BUDGET_BODY), lmdeploy=node.url), budget_clock=lambda: 0.0)
+    yield running
+    stop_gateway(running)
+    node.stop()
 
 
 def _client(gateway: RunningGateway, key: str) -> openai.OpenAI:
@@ -185,7 +216,7 @@ def _flooded(gateway: RunningGateway, late: Callable[[Flood], int]) -> Flood:
     return flood
 
 
-@pytest.mark.parametrize("layout", ["flow", "ranked_flow"])
+@pytest.mark.parametrize("layout", ["flow", "ranked_flow", "lmdeploy_flow"])
 def test_a_light_key_is_admitted_as_soon_as_a_slot_frees_while_the_flooding_key_waits_its_turn(
     layout: str, request: pytest.FixtureRequest
 ) -> None:
@@ -205,7 +236,7 @@ def test_a_light_key_is_admitted_as_soon_as_a_slot_frees_while_the_flooding_key_
     assert sum(1 for name in order[:last_light] if name.startswith("flood")) <= 2, order
 
 
-@pytest.mark.parametrize("layout", ["flow", "ranked_flow"])
+@pytest.mark.parametrize("layout", ["flow", "ranked_flow", "lmdeploy_flow"])
 def test_priority_requests_get_their_first_token_before_the_default_flood_sent_before_them(
     layout: str, request: pytest.FixtureRequest
 ) -> None:
