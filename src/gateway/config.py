@@ -23,6 +23,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from backends.config import BackendConfig, ReferenceBackendConfig
+from gateway.batches.config import BatchesConfig
 from gateway.tracing_config import TracingConfig
 
 DEFAULT_MODEL_NAME = "deepinfer-reference"
@@ -181,6 +182,10 @@ class ServerConfig(BaseModel):
     workers: int = Field(
         1, ge=1, le=256, description="front-end processes serving one port (uvicorn workers); see README, Scale out"
     )
+    batches: BatchesConfig = Field(
+        default_factory=BatchesConfig,
+        description="the Batch API (/v1/files, /v1/batches): its store, limits and concurrency (README, Batch API)",
+    )
     tracing: TracingConfig = Field(
         default_factory=TracingConfig,
         description="OpenTelemetry traces over OTLP/HTTP; OTEL_* environment variables override it (README, Traces)",
@@ -203,6 +208,15 @@ class ServerConfig(BaseModel):
                 "responses_store: memory keeps responses in one process, and with server.workers > 1 a request "
                 "that continues one (previous_response_id) may reach another process: use sqlite (shared by the "
                 "processes of a host) or redis://..."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _batch_store_exists(self) -> ServerConfig:
+        if self.batches.store == "state_store" and (self.state_store is None or self.batches.files_dir is None):
+            raise ValueError(
+                "batches.store: state_store needs server.state_store (redis://...) and batches.files_dir (a folder "
+                "every replica mounts, for the files' contents)"
             )
         return self
 

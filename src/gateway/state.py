@@ -19,6 +19,7 @@ from gateway.router import ModelRouter
 from gateway.state_store import SharedStateStore
 
 if TYPE_CHECKING:
+    from gateway.batches.runner import BatchRunner
     from gateway.tracing import Tracing
 
 
@@ -43,6 +44,8 @@ class GatewayState:
     """Signs and checks the thinking blocks of ``/v1/messages`` (``server.thinking_signature_key``)."""
     tracing: Tracing | None = None
     """OpenTelemetry traces (``server.tracing``), when they are on."""
+    batches: BatchRunner | None = None
+    """The Batch API's store and runner (``server.batches``), when it is on."""
     draining: bool = False
     """Set on SIGTERM: /ready turns 503 and new generation requests are refused while in-flight ones finish."""
 

@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from backends.errors import InvalidRequestError
 from backends.interface import GenerateRequest, Usage
-from gateway.auth import request_label, request_owner
+from gateway.auth import request_label, request_owner, request_service_tier
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
 from gateway.limits import admitted
@@ -101,7 +101,7 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     response_id = new_id("resp")
     created_at = time.time()
     label = request_label(request)
-    tier = state.key_tiers.tier_for(label, body.service_tier)
+    tier = request_service_tier(request, state.key_tiers.tier_for(label, body.service_tier))
     fmt = ResponsesFormat(
         response_envelope(body, model, response_id, int(created_at), tier), want_logprobs=body.wants_logprobs()
     )

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from backends.interface import Backend, Event, EventStream, GenerateRequest, Usage
-from gateway.auth import request_label
+from gateway.auth import request_label, request_service_tier
 from gateway.bodies import OffloadedJSONRoute
 from gateway.capabilities import system_fingerprint
 from gateway.deadlines import Timeouts
@@ -131,7 +131,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise APIError(400, problem, param="tool_choice")
     model = state.router.served_name(body.model)
     label = request_label(request)
-    tier = state.key_tiers.tier_for(label, body.service_tier)
+    tier = request_service_tier(request, state.key_tiers.tier_for(label, body.service_tier))
     limit = body.output_limit()
     async with admitted(request, _limits(state), limit * body.n if limit is not None else None) as reservation:
         generate = GenerateRequest(
@@ -180,7 +180,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise APIError(400, f"at most {MAX_PROMPTS} prompts are allowed in one request.", param="prompt")
     model = state.router.served_name(body.model)
     label = request_label(request)
-    tier = state.key_tiers.tier_for(label, body.service_tier)
+    tier = request_service_tier(request, state.key_tiers.tier_for(label, body.service_tier))
     reserve = body.max_tokens * len(prompts) * body.n if body.max_tokens is not None else None
     async with admitted(request, _limits(state), reserve) as reservation:
         sampling = body.sampling_options(
