@@ -110,7 +110,9 @@ class KeyTiers:
 
     def tier_for(self, label: str, asked: str | None) -> str:
         """The tier a request of the key ``label`` is served in, when it asked for ``asked`` (None or ``auto``:
-        the key's default)."""
+        the key's default; ``fast``: ``priority``, which OpenAI echoes for it)."""
+        if asked == "fast":
+            asked = "priority"
         allowed = self._allowed.get(label)
         if allowed is None:  # no client keys: every online tier is open
             return asked if asked in CLIENT_SERVICE_TIERS else "default"

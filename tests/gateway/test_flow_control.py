@@ -345,6 +345,9 @@ def test_the_tier_a_key_may_use_is_echoed_in_every_body_and_chunk(flow: RunningG
     assert {getattr(chunk, "service_tier", None) for chunk in streamed} == {"default"}
     scale = light.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, service_tier="scale")
     assert scale.service_tier == "default"  # OpenAI's scale tier is not one of ours: the key's default
+    premium = _client(flow, "premium")
+    fast = premium.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, service_tier="fast")
+    assert fast.service_tier == "priority"  # OpenAI's fast mode is its priority tier, echoed as such
     response = light.responses.create(model=MODEL, input="hi", max_output_tokens=4, service_tier="priority")
     assert response.service_tier == "priority"
     events = list(standard.responses.create(model=MODEL, input="hi", max_output_tokens=4, stream=True))

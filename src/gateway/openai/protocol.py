@@ -167,10 +167,10 @@ class _Sampling(_Request):
     min_p: float | None = Field(None, ge=0, le=1, description="extension (vLLM, LMDeploy)")
     min_tokens: WholeInt | None = Field(None, ge=0, description="extension: generate at least this many tokens")
     skip_special_tokens: bool = Field(True, description="extension: drop special tokens from the text")
-    service_tier: Literal["auto", "default", "flex", "priority", "scale"] | None = Field(
+    service_tier: Literal["auto", "default", "flex", "priority", "fast", "scale"] | None = Field(
         None,
-        description="auto (or none): the API key's default tier; a tier the key may not use (scale, which this "
-        "gateway does not have, included): its default",
+        description="auto (or none): the API key's default tier; fast: priority, as OpenAI serves it; a tier the "
+        "key may not use (scale, which this gateway does not have, included): its default",
     )
     priority: WholeInt = Field(
         0, ge=-(2**31), lt=2**31, description="extension (vLLM): within a service tier, lower is served first"
