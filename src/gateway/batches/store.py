@@ -9,10 +9,11 @@ final status are written in one step.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from gateway.local_state import local_state_dir
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -110,10 +111,8 @@ class BatchStore(Protocol):
 
 
 def default_sqlite_path() -> Path:
-    """``batches.sqlite3`` in ``$DEEPINFER_GATEWAY_CACHE`` or ``~/.cache/deepinfer-gateway``."""
-    configured = os.environ.get("DEEPINFER_GATEWAY_CACHE")
-    base = Path(configured) if configured else Path.home() / ".cache" / "deepinfer-gateway"
-    return base / SQLITE_FILE_NAME
+    """``batches.sqlite3`` in the gateway's local state folder (``gateway.local_state``)."""
+    return local_state_dir() / SQLITE_FILE_NAME
 
 
 def open_batch_store(config: BatchesConfig, shared: Redis | None) -> BatchStore:
