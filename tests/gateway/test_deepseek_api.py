@@ -137,7 +137,7 @@ def test_backend_defaulting_to_thinking_reasons_unless_the_request_says_otherwis
 ) -> None:
     _, body = reasoned_answer(thinking_by_default)
     assert body["choices"][0]["message"]["reasoning_content"]
-    for fields in ({"reasoning_effort": "minimal"}, {"chat_template_kwargs": {"thinking": False}}):
+    for fields in ({"reasoning_effort": "none"}, {"chat_template_kwargs": {"thinking": False}}):
         message = chat(thinking_by_default, seed=0, **fields)["choices"][0]["message"]
         assert "reasoning_content" not in message, fields
 
