@@ -191,3 +191,14 @@ def test_tool_call_history_renders_and_tool_results_merge_into_the_user_turn(art
     text = render(artifacts, messages=history, tools=[WEATHER]).text
     assert '<｜DSML｜ parameter name="city" string="true">P</｜DSML｜ parameter>' in text
     assert text.endswith("<｜User｜><tool_result>sunny</tool_result>" + CHAT_TAIL)
+
+
+def test_a_forced_call_is_served_in_chat_mode_unless_the_request_asks_for_thinking(
+    artifacts: ReferenceArtifacts,
+) -> None:
+    """OpenAI-semantics clients (instructor, LangChain, the Agents SDK) force calls and read them at once."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        assert render(artifacts, default_thinking=True, tools=[WEATHER], tool_choice=choice).text.endswith(CHAT_TAIL)
+        asked = render(artifacts, default_thinking=True, tools=[WEATHER], tool_choice=choice, thinking=True)
+        assert asked.text.endswith(THINK_TAIL)
+    assert render(artifacts, default_thinking=True, tools=[WEATHER], tool_choice="auto").text.endswith(THINK_TAIL)
