@@ -660,3 +660,13 @@ def test_user_id_up_to_512_characters(http: httpx.Client) -> None:
         "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 1, "user_id": "u" * 513}
     )
     assert response.status_code == 400 and response.json()["error"]["param"] == "user_id"
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_penalties_are_ignored_in_thinking_mode_and_refused_outside_it(http: httpx.Client, penalty: str) -> None:
+    """As on DeepSeek's API, thinking mode takes the penalties without an error; the engine cannot apply them."""
+    assert chat(http, thinking={"type": "enabled"}, max_tokens=1, **{penalty: 0.5})["choices"]
+    assert chat(http, reasoning_effort="low", max_tokens=1, **{penalty: 0.5})["choices"]
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1, penalty: 0.5}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == penalty

@@ -183,6 +183,11 @@ class DeepSeekV41ChatTemplate:
             return True, chosen
         return self.default_thinking and not forced_call, chosen
 
+    def ignores_penalties(self, request: GenerateRequest) -> bool:
+        """DeepSeek ignores ``presence_penalty`` and ``frequency_penalty`` in thinking mode, without an error."""
+        forced = request.tool_choice == "required" or isinstance(request.tool_choice, Mapping)
+        return self.thinking_mode(request, forced_call=forced and bool(request.tools))[0]
+
     def bind_tokenizer(self, tokenizer: Tokenizer) -> None:
         """Builds the library's encoding for the engine's tokenizer and warms it, before the first request."""
         self._encoder(tokenizer).encode(to_conversation([{"role": "user", "content": ""}], thinking=False, effort=None))

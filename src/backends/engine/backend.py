@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import importlib.metadata
 import itertools
@@ -20,6 +21,7 @@ from backends.engine.events import EngineEvents, EngineRun
 from backends.engine.prompts import (
     DEFAULT_PREPARE_THREADS,
     ChatTemplate,
+    PenaltyIgnoringTemplate,
     PromptPreparer,
     TokenizerBoundTemplate,
 )
@@ -136,6 +138,14 @@ class EngineBackend:
         table = self._table
         engine = self.driver.engine
         assert table is not None and engine is not None
+        template = self._chat_template
+        if (
+            request.messages is not None
+            and isinstance(template, PenaltyIgnoringTemplate)
+            and template.ignores_penalties(request)
+        ):
+            neutral = dataclasses.replace(request.sampling, presence_penalty=0.0, frequency_penalty=0.0)
+            request = dataclasses.replace(request, sampling=neutral)
         reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
         prompt = await self._prompts.prepare(request)
         prompt_ids, chat = prompt.ids, prompt.chat

@@ -89,6 +89,14 @@ class TokenizerBoundTemplate(Protocol):
     def bind_tokenizer(self, tokenizer: Tokenizer) -> None: ...
 
 
+@runtime_checkable
+class PenaltyIgnoringTemplate(Protocol):
+    """A chat template whose model family ignores ``presence_penalty`` and ``frequency_penalty`` for some requests
+    (DeepSeek in thinking mode): those requests are served without them, and without an error."""
+
+    def ignores_penalties(self, request: GenerateRequest) -> bool: ...
+
+
 class PreparedPrompt(NamedTuple):
     """What the engine needs from a request's prompt, ready to add."""
 
