@@ -95,11 +95,12 @@ def start_gateway(
     wait_for: str = "/ready",
     ready_timeout: float = 180.0,
     budget_clock: Callable[[], float] | None = None,
+    batch_clock: Callable[[], float] = time.time,
 ) -> RunningGateway:
     """Runs the gateway's server as ``serve`` does (uvicorn on uvloop behind the connection guard, whose protocol
     also gives streams their direct body writes) in a thread on 127.0.0.1 with a kernel-chosen port, and waits
     until ``wait_for`` is 200."""
-    app = create_app(config, backends, budget_clock=budget_clock)
+    app = create_app(config, backends, budget_clock=budget_clock, batch_clock=batch_clock)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

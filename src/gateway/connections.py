@@ -33,14 +33,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, ClassVar, Protocol
 
 import httptools
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from gateway.errors import error_payload
+from gateway.errors import APIError, error_body
 
 HEADER_TIMEOUT = "header_timeout"
 HEADER_TOO_LARGE = "header_too_large"
@@ -48,9 +48,11 @@ TOO_MANY_CONNECTIONS = "too_many_connections"
 BODY_TIMEOUT = "body_timeout"
 """Also the key set in the request's ASGI state when its body timed out, and its error code."""
 NOT_A_PROBE_PATH = "not_a_probe_path"
+BAD_REQUEST = "bad_request"
+"""A request the HTTP parser refused (a bare LF in a header, a malformed request line): a 400, and a close."""
 DIRECT_BODY = "gateway.direct_body"
 """The key of the request's :class:`DirectBody` in its ASGI scope's ``state`` (absent under other servers)."""
-REASONS = (HEADER_TIMEOUT, HEADER_TOO_LARGE, TOO_MANY_CONNECTIONS, BODY_TIMEOUT, NOT_A_PROBE_PATH)
+REASONS = (HEADER_TIMEOUT, HEADER_TOO_LARGE, TOO_MANY_CONNECTIONS, BODY_TIMEOUT, NOT_A_PROBE_PATH, BAD_REQUEST)
 
 API_LISTENER = "api"
 PROBE_LISTENER = "probe"
@@ -63,27 +65,31 @@ LINGER_SECONDS = 1.0
 close with unread input sends a TCP reset, which can destroy the answer before the client reads it)."""
 
 
-def _response(status: bytes, message: bytes) -> bytes:
-    return (
-        b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-        b"content-length: " + str(len(message)).encode() + b"\r\n\r\n" + message
+def _error_response(status: int, message: str, code: str, path: str = "", request_id: str | None = None) -> bytes:
+    """A whole HTTP response that closes the connection, with the error JSON of the API at ``path`` (Anthropic's on
+    the Messages routes, else OpenAI's), as every answer of the gateway's is: the server writes these before any
+    request reaches the app."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = error_body(APIError(status, message, type=kind, code=code), path, request_id)
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n" % (
+        status,
+        HTTPStatus(status).phrase.encode(),
     )
-
-
-def _json_response(status: bytes, message: str, code: str, request_id: str | None) -> bytes:
-    body = orjson.dumps(error_payload(message, "invalid_request_error", None, code))
-    head = b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
     if request_id is not None:
         head += b"x-request-id: " + request_id.encode() + b"\r\n"
-    return head + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    return head + b"content-length: %d\r\n\r\n%b" % (len(body), body)
 
 
-_TIMEOUT_RESPONSE = _response(b"408 Request Timeout", b"The request headers were not received in time.")
-_TOO_LARGE_RESPONSE = _response(b"431 Request Header Fields Too Large", b"The request headers are too large.")
-_BUSY_RESPONSE = _response(b"503 Service Unavailable", b"Too many open connections.")
-_NOT_A_PROBE_RESPONSE = _json_response(
-    b"404 Not Found", "The probe port serves only /health, /ready and /metrics.", "not_found", None
-)
+def _path_of(url: bytes) -> str:
+    """The path of a request target as far as it was received, or "" when it cannot be parsed (yet)."""
+    try:
+        return httptools.parse_url(url).path.decode("latin-1") if url else ""
+    except httptools.HttpParserInvalidURLError:
+        return ""
+
+
+_BUSY_RESPONSE = _error_response(503, "Too many open connections; retry later.", TOO_MANY_CONNECTIONS)
+_NOT_A_PROBE_RESPONSE = _error_response(404, "The probe port serves only /health, /ready and /metrics.", "not_found")
 
 
 class DirectBody:
@@ -115,6 +121,14 @@ class DirectBody:
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         return True
+
+    def abandon(self) -> None:
+        """Drops the connection of a response that cannot complete because its client stopped reading: at once,
+        with what its full send buffer still holds, and as a client gone (uvicorn would otherwise report the
+        incomplete response as an error of the app's, and close only once that buffer drained)."""
+        cycle = self._cycle
+        cycle.disconnected = True
+        cycle.transport.abort()
 
 
 class Timer(Protocol):
@@ -234,7 +248,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._rejected is not None:
             self._close(*self._rejected)
         elif self._header_bytes is not None and self._header_bytes > self.guard.limits.max_header_bytes:
-            self._close(_TOO_LARGE_RESPONSE, HEADER_TOO_LARGE)
+            self._close(self._too_large(), HEADER_TOO_LARGE)
         elif self._awaiting_body and self._body_timer is None:
             # Armed only now, once the bytes that completed the headers are parsed: a request without a body, or
             # whose body came with its headers, never sets a timer.
@@ -252,7 +266,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         paths = self.guard.paths
         # A refused head starts no request cycle; data_received answers and closes once the parse returns.
         if head > self.guard.limits.max_header_bytes:
-            self._rejected = (_TOO_LARGE_RESPONSE, HEADER_TOO_LARGE)
+            self._rejected = (self._too_large(), HEADER_TOO_LARGE)
             return
         if paths is not None and httptools.parse_url(self.url).path.decode("latin-1") not in paths:
             self._rejected = (_NOT_A_PROBE_RESPONSE, NOT_A_PROBE_PATH)
@@ -268,14 +282,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        # The next bytes are the next request's head. Not before: an app may answer (a 413, a 401) while the body
+        # still arrives, and those bytes are no head.
+        self._header_bytes = 0
         self._awaiting_body = False
         self._disarm_body_timer()
         if self._rejected is None:
             super().on_message_complete()
-
-    def on_response_complete(self) -> None:
-        self._header_bytes = 0  # the next bytes are the next request's head (uvicorn's keep-alive timer runs now)
-        super().on_response_complete()
 
     def _arm_header_timer(self) -> None:
         timeout = self.guard.limits.header_timeout
@@ -304,7 +317,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             cycle.disconnected = True  # receive() returns http.disconnect; whatever the app sends is dropped
             cycle.message_event.set()
             message = f"The request body was not received within {self.guard.limits.body_timeout:g} s."
-            response = _json_response(b"408 Request Timeout", message, BODY_TIMEOUT, state.get("request_id"))
+            response = _error_response(408, message, BODY_TIMEOUT, cycle.scope["path"], state.get("request_id"))
         self._close(response, BODY_TIMEOUT)
 
     def _disarm_header_timer(self) -> None:
@@ -314,7 +327,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _on_header_timeout(self) -> None:
         self._header_timer = None
-        self._close(_TIMEOUT_RESPONSE if self._header_bytes else b"", HEADER_TIMEOUT)
+        message = "The request headers were not received in time."
+        response = _error_response(408, message, HEADER_TIMEOUT, self._path()) if self._header_bytes else b""
+        self._close(response, HEADER_TIMEOUT)
+
+    def _path(self) -> str:
+        """The path of the request being received, as far as it is known (none before its first byte)."""
+        return _path_of(getattr(self, "url", b""))
+
+    def _too_large(self) -> bytes:
+        message = f"The request line and headers are larger than {self.guard.limits.max_header_bytes} bytes."
+        return _error_response(431, message, HEADER_TOO_LARGE, self._path())
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes its parser refuses, as the API's error JSON instead of its plain text."""
+        message = "The request is not valid HTTP/1.1 (a malformed request line or header)."
+        self._close(_error_response(400, message, BAD_REQUEST, self._path()), BAD_REQUEST)
 
     def _close(self, response: bytes, reason: str) -> None:
         """Answer (if ``response``), then close: at once, or after a linger that drains the client's input."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -92,12 +93,17 @@ and goes to the log."""
 
 
 def public_error(error: APIError, request: Request | None) -> APIError:
+    """``error`` as the client may see it (``shown_error``) for a request."""
+    if request is None:
+        return shown_error(error, None, None)
+    return shown_error(error, getattr(request.state, "log", None), getattr(request.state, "request_id", None))
+
+
+def shown_error(error: APIError, log: dict[str, Any] | None, request_id: str | None) -> APIError:
     """``error`` as the client may see it. A client mistake (4xx) is shown as it is; a server error (5xx) gets a
-    generic message with the request id, and its detail goes into the request's access-log line."""
+    generic message with the request id, and its detail goes into the request's access-log line (``log``)."""
     if error.status < 500:
         return error
-    request_id = getattr(request.state, "request_id", None) if request is not None else None
-    log = getattr(request.state, "log", None) if request is not None else None
     if log is not None:
         log["error_detail"] = error.message
     generic = SERVER_ERROR_MESSAGES.get(error.status, SERVER_ERROR_MESSAGES[500])
@@ -111,9 +117,9 @@ def error_response(error: APIError, request: Request | None = None) -> Response:
     log = getattr(request.state, "log", None) if request is not None else None
     if log is not None:
         log["error_code"] = error.code or error.type
-    error = public_error(error, request)
-    path = request.url.path if request is not None else ""
     request_id = getattr(request.state, "request_id", None) if request is not None else None
+    error = shown_error(error, log, request_id)
+    path = request.url.path if request is not None else ""
     body = error_body(error, path, request_id)
     return Response(body, status_code=error.status, media_type="application/json", headers=error.headers)
 
@@ -164,11 +170,14 @@ def _join(choices: list[str]) -> str:
     return choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
 
 
-def _param_parts(loc: tuple[int | str, ...], body: object, *, missing: bool = False) -> list[int | str]:
-    """The parts of a pydantic error location that name keys and indexes of the request body. Parts that do not
-    are pydantic's union-branch labels (``str``, ``list[str]``, ``function-after[...]``) and are dropped, whatever
-    the field names look like (``stream``, ``strawberry``)."""
+def _param_parts(
+    loc: tuple[int | str, ...], body: object, *, missing: bool = False
+) -> tuple[list[int | str], tuple[int | str, ...]]:
+    """The parts of a pydantic error location that name keys and indexes of the request body, and the others:
+    pydantic's union-branch labels (``str``, ``list[str]``, ``function-after[...]``), whatever the field names look
+    like (``stream``, ``strawberry``), which together name the branch that failed."""
     parts: list[int | str] = []
+    labels: list[int | str] = []
     node = body
     for i, part in enumerate(loc):
         last = i == len(loc) - 1
@@ -178,7 +187,9 @@ def _param_parts(loc: tuple[int | str, ...], body: object, *, missing: bool = Fa
         elif isinstance(part, str) and isinstance(node, dict) and (part in node or (missing and last)):
             parts.append(part)
             node = node.get(part)
-    return parts
+        else:
+            labels.append(part)
+    return parts, tuple(labels)
 
 
 def _dotted(parts: list[int | str]) -> str:
@@ -192,6 +203,34 @@ def _dotted(parts: list[int | str]) -> str:
 def _progress(parts: list[int | str]) -> tuple[int, tuple[int, ...]]:
     """How far into the body a union branch got before failing: deeper first, then further along its arrays."""
     return len(parts), tuple(p for p in parts if isinstance(p, int))
+
+
+def _meant(
+    errors: Sequence[Any], body: object
+) -> tuple[list[int | str], dict[str, Any], list[tuple[list[int | str], dict[str, Any]]]]:
+    """The error the client most likely meant, its path, and every error with its path. A union's branches each
+    report their errors; the client meant the branch that got furthest into the body before its first failure, of
+    those the one with the fewest failures (``[[1], null]`` is a list of prompts with one bad item, not a list of
+    strings with two), and at that place a value out of range over a value of the wrong type (``[-1]`` is a token
+    id below 0, not a string that is not one)."""
+    located = []
+    branches: dict[tuple[int | str, ...], list[tuple[list[int | str], dict[str, Any]]]] = {}
+    for error in errors:
+        loc = tuple(error.get("loc", ()))[1:]  # drop "body"
+        parts, labels = _param_parts(loc, body, missing=error.get("type") == "missing")
+        located.append((parts, error))
+        branches.setdefault(labels, []).append((parts, error))
+
+    def rank(branch: list[tuple[list[int | str], dict[str, Any]]]) -> tuple[tuple[int, tuple[int, ...]], int, bool]:
+        first = min(_progress(parts) for parts, _ in branch)
+        typed = any(_progress(p) == first and e.get("type") not in _EXPECTED for p, e in branch)
+        return first, -len(branch), typed
+
+    meant = max(branches.values(), key=rank)
+    first = min(_progress(parts) for parts, _ in meant)
+    at_first = [(parts, e) for parts, e in meant if _progress(parts) == first]
+    parts, error = next(((p, e) for p, e in at_first if e.get("type") not in _EXPECTED), at_first[0])
+    return parts, error, located
 
 
 def _joined(base: str, where: str) -> str:
@@ -220,13 +259,7 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
     if body is None and first.get("loc") == ("body",):
         return APIError(400, "The request body is empty; send a JSON object.", code="missing_required_parameter")
 
-    located = []
-    for error in errors:
-        loc = tuple(error.get("loc", ()))[1:]  # drop "body"
-        located.append((_param_parts(loc, body, missing=error.get("type") == "missing"), error))
-    # A union's branches each report an error; the one that got furthest is the branch the client meant.
-    best = max(_progress(parts) for parts, _ in located)
-    parts, error = next((parts, e) for parts, e in located if _progress(parts) == best)
+    parts, error, located = _meant(errors, body)
     param = _dotted(parts)
     kind = error.get("type", "")
     ctx = error.get("ctx") or {}
@@ -272,7 +305,19 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
     return APIError(400, f"Invalid value for '{name}': {reason[:200]}", param=param or None, code="invalid_value")
 
 
+def unexpected_error(exc: Exception, path: str, log: dict[str, Any] | None) -> APIError:
+    """A 500 for an exception nothing expected (a bug): logged with its traceback, its code in the request's
+    access-log line; ``public_error`` keeps its detail from the client."""
+    logger.exception("unhandled error on %s", path, exc_info=exc)
+    if log is not None:
+        log["error_code"] = "internal_error"
+    return APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error", code="internal_error")
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    """The handlers of every error a route raises on purpose; anything else is ``unexpected_error``'s, in the
+    request context middleware."""
+
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
         return error_response(exc, request)
@@ -290,23 +335,18 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = "request_too_large" if exc.status_code == 413 else None
         headers = dict(exc.headers or {})  # a 405 carries Allow
-        return error_response(
-            APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=headers), request
-        )
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # the router's: no route has this path
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        return error_response(APIError(exc.status_code, message, type=kind, code=code, headers=headers), request)
 
     async def on_client_gone(request: Request, exc: Exception) -> Response:
         # The client left while its body was read, or its body timed out (the connection guard answered 408):
         # no one reads this answer, and the request context middleware logs and counts the request (499 or 408).
         return Response(status_code=499)
 
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path)
-        error = APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error", code="internal_error")
-        return error_response(error, request)
-
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(BackendError, on_backend_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(ClientDisconnect, on_client_gone)
-    app.add_exception_handler(Exception, on_unexpected)

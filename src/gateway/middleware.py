@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.connections import BODY_TIMEOUT
-from gateway.errors import APIError, error_body
+from gateway.errors import APIError, error_body, shown_error, unexpected_error
 from gateway.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
@@ -50,8 +50,12 @@ class RequestContextMiddleware:
         draining: Callable[[], bool] = lambda: False,
         metrics: GatewayMetrics | None = None,
         tracing: Tracing | None = None,
+        larger_bodies: Mapping[str, int] | None = None,
     ) -> None:
+        """``larger_bodies``: paths whose bodies may be larger than ``max_body_bytes``, and their own limits (the
+        Batch API's file uploads)."""
         self.app = app
+        self.larger_bodies = dict(larger_bodies or {})
         self.metrics = metrics
         self.tracing = tracing
         self.max_body_bytes = max_body_bytes
@@ -79,14 +83,17 @@ class RequestContextMiddleware:
         header = (_REQUEST_ID, request_id.encode())
         span = self.tracing.start_request(scope, request_id) if self.tracing is not None else None
 
+        started = False
+
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
                 status = message["status"]
+                started = True
                 message["headers"] = [*message.get("headers", []), header]
             await send(message)
 
-        limit = self.max_body_bytes
+        limit = self.larger_bodies.get(scope["path"], self.max_body_bytes)
         left_mid_body = False
         try:
             if self.draining() and scope["path"].startswith(("/v1/", "/beta/")) and scope["method"] == "POST":
@@ -121,7 +128,16 @@ class RequestContextMiddleware:
                     left_mid_body = True
                 return message
 
-            await self.app(scope, limited_receive, send_with_id)
+            try:
+                await self.app(scope, limited_receive, send_with_id)
+            except Exception as exc:
+                # A bug, not the client's doing: logged, and answered here as a 500 the client can read, on a
+                # connection that stays usable (an exception left to the server would close it after the answer).
+                # A response already under way cannot be answered: the server closes its connection.
+                error = unexpected_error(exc, scope["path"], log)
+                if started:
+                    raise
+                await _send_error(scope, send_with_id, error)
         finally:
             # A request that reached a backend was counted by its observer (which set the status, the
             # backend's verdict); any other (bad JSON, validation 400, unknown model, 401, 413, 500) is counted here.
@@ -155,7 +171,9 @@ class RequestContextMiddleware:
 
 
 async def _send_error(scope: Scope, send: Send, error: APIError, retry_after: int | None = None) -> None:
-    body = error_body(error, scope["path"], scope["state"].get("request_id"))
+    state = scope["state"]
+    request_id = state.get("request_id")
+    body = error_body(shown_error(error, state.get("log"), request_id), scope["path"], request_id)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))

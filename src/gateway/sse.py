@@ -172,6 +172,7 @@ class EventStreamResponse(Response):
         loop = asyncio.get_running_loop()
         stall = self._stall_timeout
         stalled = False
+        direct = scope.get("state", {}).get(DIRECT_BODY)
         try:
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send_within(send, start, stall)
@@ -181,7 +182,6 @@ class EventStreamResponse(Response):
             # The frames are pulled and written by a task of their own, which the request's task awaits: waking
             # for each frame resumes that task's few frames, not the whole ASGI middleware stack above this one.
             # The watch's cancellation of the request's task reaches it (a cancelled task cancels what it awaits).
-            direct = scope.get("state", {}).get(DIRECT_BODY)
             self._direct = direct.write if direct is not None else None
             self._clock = loop.time
             await loop.create_task(self._write_frames(send, stall))
@@ -189,6 +189,8 @@ class EventStreamResponse(Response):
             await send_within(send, {"type": "http.response.body", "body": b"", "more_body": False}, stall)
         except SendStalledError:
             stalled = True
+            if direct is not None:  # the response cannot complete: its connection goes, as the client's fault
+                direct.abandon()
         except asyncio.CancelledError as exc:
             if not self._watch.caused(exc):
                 raise  # the server is stopping

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import orjson
@@ -178,6 +179,36 @@ def test_a_body_much_larger_than_max_header_bytes_is_not_mistaken_for_headers(st
     response = httpx.post(f"{strict.base_url}/v1/chat/completions", json=body, timeout=SAFETY_SECONDS)
     assert response.status_code == 400  # read whole, then refused for the context, not for its headers
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_body_that_arrives_after_its_early_answer_is_not_mistaken_for_the_next_head(strict: Served) -> None:
+    """The app answers a 413 from the Content-Length before reading the body; the body the client sends after that
+    answer (larger than max_header_bytes) is still that request's, and the next request on the connection is served.
+    """
+    limit = strict.server.config.app.state.gateway.config.server.max_body_bytes
+    size = limit + 1
+    with strict.connect() as sock:
+        reader = sock.makefile("rb")
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {size}\r\n\r\n".encode()
+        )
+        assert reader.readline().startswith(b"HTTP/1.1 413 ")  # answered before a byte of the body was sent
+        headers = _head(reader)
+        reader.read(int(headers["content-length"]))
+        if headers.get("connection") == "close":
+            return  # the server may close instead; then nothing can be mistaken
+        sock.sendall(b"x" * size)  # the rest of the request: its body, far over max_header_bytes
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert reader.readline().startswith(b"HTTP/1.1 200 "), "the body was read as the next request's head"
+
+
+def _head(reader: Any) -> dict[str, str]:
+    headers = {}
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.lower()] = value.strip()
+    return headers
 
 
 def test_connections_past_max_connections_get_503_until_one_closes() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -84,8 +85,8 @@ GUARD_OVERRIDES = (
     "on_headers_complete",
     "on_body",
     "on_message_complete",
-    "on_response_complete",
     "_should_upgrade",
+    "send_400_response",
 )
 
 
@@ -123,6 +124,9 @@ class _Transport(asyncio.Transport):
         return self.closed
 
     def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
         self.closed = True
 
     def pause_reading(self) -> None: ...
@@ -202,6 +206,64 @@ async def _cycle_body_writes() -> None:
     protocol.connection_lost(None)
 
 
+async def _parse_error_answer() -> None:
+    """uvicorn answers bytes its parser refuses through ``send_400_response``, which the guard overrides."""
+    answers: list[str] = []
+
+    class Answering(HttpToolsProtocol):
+        def send_400_response(self, msg: str) -> None:
+            answers.append(msg)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("a request the parser refused reached the app")
+
+    config = uvicorn.Config(app, lifespan="off", log_config=None)
+    protocol = Answering(config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop())
+    protocol.connection_made(_Transport())
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\nX-Bad: a\nb\r\n\r\n")
+    assert answers, "a bare LF in a header value did not reach send_400_response"
+
+
+async def _abandoned_cycle() -> None:
+    """A response ``DirectBody.abandon`` ended (its client stopped reading) is not logged as the app's error."""
+    started = asyncio.Event()
+    state: dict[str, Any] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        DirectBody(protocol.cycle).abandon()
+        state["started"] = True
+        started.set()
+
+    config = uvicorn.Config(app, lifespan="off", log_config=None)
+    protocol = HttpToolsProtocol(
+        config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop()
+    )
+    transport = _Transport()
+    protocol.connection_made(transport)
+    errors = _Recorded(logging.ERROR)
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(errors)
+    try:
+        protocol.data_received(b"GET /s HTTP/1.1\r\nHost: a\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 10)
+        await asyncio.gather(*protocol.tasks)
+    finally:
+        logger.removeHandler(errors)
+    assert transport.closed, "abandon() did not close the connection"
+    assert not errors.messages, f"uvicorn logged {errors.messages}"
+    protocol.connection_lost(None)
+
+
+class _Recorded(logging.Handler):
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def _server_shape() -> None:
     state = ServerState()
     assert isinstance(state.connections, set), "ServerState.connections is not a set"
@@ -260,6 +322,18 @@ INTERNALS = [
         "uvicorn",
         "src/gateway/connections.py",
         _cycle_body_writes,
+    ),
+    Internal(
+        "uvicorn HttpToolsProtocol answers a parse error with send_400_response",
+        "uvicorn",
+        "src/gateway/connections.py",
+        _parse_error_answer,
+    ),
+    Internal(
+        "uvicorn's run_asgi logs no error for a cycle marked disconnected",
+        "uvicorn",
+        "src/gateway/connections.py",
+        _abandoned_cycle,
     ),
     Internal("uvicorn.Server hooks and ServerState", "uvicorn", "src/gateway/server.py", _server_shape),
     Internal("httptools.parse_url", "httptools", "src/gateway/connections.py", _parse_url),

@@ -4,6 +4,7 @@ engine request is aborted, its stream closed, and the stall counted."""
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 from collections.abc import Iterator
@@ -95,6 +96,9 @@ def test_a_reader_that_falls_too_far_behind_is_stopped_and_told_why(small_buffer
 
 def test_a_reader_that_takes_nothing_for_the_stall_timeout_is_disconnected() -> None:
     running = _gateway(stream_buffer_tokens=None, stall_timeout=0.5)
+    errors = _ErrorLines()
+    server_log = logging.getLogger("uvicorn.error")  # where a response left incomplete is reported
+    server_log.addHandler(errors)
     try:
         before = running.engine_tokens()
         sock = _non_reading_client(running.base_url)
@@ -108,5 +112,17 @@ def test_a_reader_that_takes_nothing_for_the_stall_timeout_is_disconnected() -> 
             sock.close()
         assert b"data: [DONE]" not in data, "the server closed the connection: a stalled stream has no end frame"
         assert b"HTTP/1.1 200" in data
+        assert wait_until(lambda: not running.server.server_state.tasks), "the stalled request ended"
+        assert not errors.lines, f"a client that stopped reading is no server error: {errors.lines}"
     finally:
+        server_log.removeHandler(errors)
         stop_gateway(running)
+
+
+class _ErrorLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

@@ -64,7 +64,7 @@ def canonical_message(message: Any, where: str) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ParameterError(where, "a message must be an object")
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise ParameterError(f"{where}.role", f"expected 'user', 'assistant' or 'system', got {shown(role)}")
     extra = sorted(set(message) - {"role", "content"})
     if extra:
@@ -86,6 +86,8 @@ def canonical_block(block: Any, where: str, role: str) -> dict[str, Any]:
     if not isinstance(block, dict):
         raise ParameterError(where, "a content block must be an object")
     kind = block.get("type")
+    if not isinstance(kind, str):
+        raise ParameterError(f"{where}.type", f"expected a string, got {shown(kind)}")
     if kind in UNSUPPORTED_BLOCKS:
         raise UnsupportedParameter(f"{where}.type", UNSUPPORTED_BLOCKS[kind])
     if kind not in BLOCKS_BY_ROLE[role]:
@@ -124,7 +126,7 @@ def canonical_block(block: Any, where: str, role: str) -> dict[str, Any]:
             if not isinstance(part, dict):
                 raise ParameterError(here, "a content block must be an object")
             kind = part.get("type")
-            if kind in UNSUPPORTED_BLOCKS:
+            if isinstance(kind, str) and kind in UNSUPPORTED_BLOCKS:
                 raise UnsupportedParameter(f"{here}.type", UNSUPPORTED_BLOCKS[kind])
             if kind == "tool_reference":
                 extra = sorted(set(part) - {"type", "tool_name", "cache_control"})

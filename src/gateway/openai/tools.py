@@ -63,7 +63,7 @@ def check_function_tools(tools: list[dict[str, Any]] | None, layout: ToolLayout)
     for i, tool in enumerate(tools or ()):
         kind = tool.get("type")
         if kind != "function":
-            if kind in layout.unsupported_types:
+            if isinstance(kind, str) and kind in layout.unsupported_types:
                 raise UnsupportedParameter(
                     f"[{i}].type", f"tools of type {shown(kind)} are not supported; use function tools"
                 )
@@ -95,7 +95,7 @@ def check_tool_choice(choice: str | dict[str, Any] | None, layout: ToolLayout) -
     if choice is None:
         return
     kind = choice.get("type")
-    if kind in layout.unsupported_choice_types:
+    if isinstance(kind, str) and kind in layout.unsupported_choice_types:
         raise UnsupportedParameter(".type", f"tool_choice of type {shown(kind)} is not supported")
     if kind != "function":
         raise ParameterError(".type", f"expected 'function', got {shown(kind)}")
