@@ -41,7 +41,7 @@ from backends.deepseek.markers import (
     THINK_END,
     THINK_START,
 )
-from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
+from backends.deepseek.parser import DeepSeekV41OutputParser, Stage, tool_schemas
 from backends.deepseek.prompt_encoding import PromptEncoder
 from backends.deepseek.response_format import response_format_so_args
 from backends.deepseek.schema_checks import ConstraintLimitError, check_constraint_size, check_json_schema
@@ -135,9 +135,14 @@ class DeepSeekV41ChatTemplate:
         think_end = self._think_end(tokenizer)
         if so_args is not None and in_reasoning:
             so_args["trigger_token_ids"] = think_end  # reasoning stays free; the constraint starts after it
+        continued = request.messages[-1].get("prefix") is True  # a prefix continuation keeps leading newlines
+        if in_reasoning:
+            stage = Stage.REASONING_CONTINUATION if continued else Stage.REASONING
+        else:
+            stage = Stage.CONTENT_CONTINUATION if continued else Stage.CONTENT
         parser = functools.partial(
             DeepSeekV41OutputParser,
-            in_reasoning=in_reasoning,
+            stage=stage,
             tools=tool_schemas(prompt_tools) if prompt_tools is not None else None,
             max_calls=1 if single_call else None,
             literal_content=so_param == "response_format",

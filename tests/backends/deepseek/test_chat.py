@@ -202,3 +202,27 @@ def test_a_forced_call_is_served_in_chat_mode_unless_the_request_asks_for_thinki
         asked = render(artifacts, default_thinking=True, tools=[WEATHER], tool_choice=choice, thinking=True)
         assert asked.text.endswith(THINK_TAIL)
     assert render(artifacts, default_thinking=True, tools=[WEATHER], tool_choice="auto").text.endswith(THINK_TAIL)
+
+
+def first_content(prompt: ChatPrompt, text: str) -> str:
+    assert prompt.parser is not None
+    parser = prompt.parser()
+    return parser.push(text).content + parser.finish().content
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_prefix_continuation_keeps_the_leading_newlines_a_new_answer_drops(
+    artifacts: ReferenceArtifacts, thinking: bool
+) -> None:
+    """deepseek-recipe's continuation stages: the parser starts where the continued message stopped."""
+    continued = [*USER, {"role": "assistant", "content": "Files are", "prefix": True}]
+    assert first_content(render(artifacts, messages=continued, thinking=thinking), "\n\nmore") == "\n\nmore"
+    assert first_content(render(artifacts, thinking=False), "\n\nmore") == "more"
+
+
+def test_a_prefix_continuation_of_reasoning_keeps_its_newlines(artifacts: ReferenceArtifacts) -> None:
+    continued = [*USER, {"role": "assistant", "content": "", "reasoning_content": "I think", "prefix": True}]
+    prompt = render(artifacts, messages=continued, thinking=True)
+    assert prompt.text.endswith("<｜Assistant｜><think>I think") and prompt.parser is not None
+    parser = prompt.parser()
+    assert parser.push("\n\nso</think>ok").reasoning == "\n\nso"
