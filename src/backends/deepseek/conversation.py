@@ -61,12 +61,13 @@ def to_conversation(
             message.get("role") in ("system", "developer") and not _text(f"messages[{idx}]", message.get("content"))
         )
     ]  # an empty system message is left out, as the library's converter does
+    definitions = [_tool(idx, tool) for idx, tool in enumerate(tools or ())]
     schema, regex, format_name = _response_format(response_format)
-    try:
+    try:  # only the response format can be refused here
         return recipe.Conversation(
             converted,
             thinking_mode=thinking,
-            tools=[_tool(idx, tool) for idx, tool in enumerate(tools or ())],
+            tools=definitions,
             tool_choice=tool_choice,
             reasoning_effort=effort if thinking else None,
             response_format=format_name,
