@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import importlib.metadata
 import itertools
@@ -20,7 +21,9 @@ from backends.engine.events import EngineEvents, EngineRun
 from backends.engine.prompts import (
     DEFAULT_PREPARE_THREADS,
     ChatTemplate,
+    PenaltyIgnoringTemplate,
     PromptPreparer,
+    TokenizerBoundTemplate,
 )
 from backends.engine.prompts import (
     ChatPrompt as ChatPrompt,  # re-exported, as it was defined here before
@@ -88,6 +91,8 @@ class EngineBackend:
             self._table = await asyncio.to_thread(
                 functools.partial(TokenTable, engine.tokenizer, markers=self._chat_template.output_markers)
             )
+            if isinstance(self._chat_template, TokenizerBoundTemplate):  # its per-tokenizer state, before traffic
+                await asyncio.to_thread(self._chat_template.bind_tokenizer, engine.tokenizer)
             self._prompts.start(engine, self._table)
             self._started = True
         finally:
@@ -133,6 +138,14 @@ class EngineBackend:
         table = self._table
         engine = self.driver.engine
         assert table is not None and engine is not None
+        template = self._chat_template
+        if (
+            request.messages is not None
+            and isinstance(template, PenaltyIgnoringTemplate)
+            and template.ignores_penalties(request)
+        ):
+            neutral = dataclasses.replace(request.sampling, presence_penalty=0.0, frequency_penalty=0.0)
+            request = dataclasses.replace(request, sampling=neutral)
         reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
         prompt = await self._prompts.prepare(request)
         prompt_ids, chat = prompt.ids, prompt.chat
@@ -221,7 +234,10 @@ class EngineBackend:
         engine = self._ready_engine()
         if request.messages is not None:
             reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
-            text = self._chat_template.render(request, engine.tokenizer).text
+            chat = self._chat_template.render(request, engine.tokenizer)
+            if chat.token_ids is not None:
+                return list(chat.token_ids)
+            text = chat.text
             default = False  # the chat encoding writes BOS itself
         else:
             text = request.prompt or ""
