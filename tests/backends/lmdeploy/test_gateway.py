@@ -111,7 +111,14 @@ def test_completions_with_text_and_token_prompts_conform(http: httpx.Client, sch
     reply = http.post("/v1/completions", json={"model": PUBLIC_MODEL, "prompt": "The quick brown fox"}).json()
     schemas.check("CreateCompletionResponse", reply)
     assert reply["choices"][0]["text"] == "The quick brown fox"
-    assert reply["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert reply["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 4,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},  # the node reported no hits: none are claimed
+        "prompt_cache_hit_tokens": 0,
+        "prompt_cache_miss_tokens": 4,
+    }
     body = {"model": PUBLIC_MODEL, "prompt": [[315, 441], [288]], "max_tokens": 5}
     _, chunks = stream_chunks(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     for chunk in chunks:
