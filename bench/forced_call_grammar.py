@@ -13,17 +13,18 @@ Usage: ``python bench/forced_call_grammar.py [--rounds 50]``.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from enum import StrEnum
 from typing import Any, Literal
 
+import deepseek_recipe as recipe
 import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from pydantic import BaseModel, Field
 
-from backends.deepseek.dsml import ToolCall, render_tool_calls
 from backends.deepseek.tool_call_grammar import tool_call_grammar
 from backends.reference import load_or_build
 
@@ -61,6 +62,16 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+def dsml_call(name: str, arguments: dict[str, Any]) -> str:
+    """One call in DSML as deepseek-recipe's V4.1 encoding writes it (cut from a rendered assistant turn)."""
+    call = recipe.ToolCall("", name, json.dumps(arguments, ensure_ascii=False))
+    turns = [recipe.UserMessage("q"), recipe.AssistantMessage("", None, [call])]
+    prompt = recipe.DeepseekV41Encoding().render_conversation(recipe.Conversation(turns, thinking_mode=False)).prompt
+    start = prompt.index("\n\n<｜DSML｜ calls>")
+    end = "</｜DSML｜ calls>"
+    return prompt[start : prompt.index(end, start) + len(end)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=50)
@@ -81,7 +92,7 @@ def main() -> None:
                 tokenizer, llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(grammar)), log_level=0
             )
         compile_ms = (time.perf_counter() - start) / max(rounds // 10, 1) * 1e3
-        text = render_tool_calls([ToolCall("", function["name"], arguments)])
+        text = dsml_call(function["name"], arguments)
         ids = artifacts.tokenizer.encode(text, add_special_tokens=False).ids
         mask = np.empty((vocab + 31) // 32, dtype=np.int32)
         times = []

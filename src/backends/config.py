@@ -149,7 +149,9 @@ class DeepInferBackendConfig(_Preparation):
     seed: int = Field(0, ge=0, description="engine RNG seed; per-request sampling seeds come from requests")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: synthetic weights (smoke tests)")
     trust_remote_code: bool = False
-    default_thinking: bool = Field(False, description="thinking mode for chats that do not ask (docs/deepseek.md)")
+    default_thinking: bool = Field(
+        True, description="thinking mode for chats that do not ask: on, as DeepSeek serves V4.1 (docs/deepseek.md)"
+    )
     accelerator: Literal["nvidia", "ascend"] = "nvidia"
     visible_devices: str | None = Field(
         None,

@@ -92,7 +92,7 @@ class RequestContextMiddleware:
         limit = self.max_body_bytes
         left_mid_body = False
         try:
-            if self.draining() and scope["path"].startswith("/v1/") and scope["method"] == "POST":
+            if self.draining() and scope["path"].startswith(("/v1/", "/beta/")) and scope["method"] == "POST":
                 await _send_error(
                     scope,
                     send_with_id,

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from typing import Any, Literal
 
+import deepseek_recipe as recipe
 import httpx
 import jsonschema
 import openai
@@ -22,11 +23,11 @@ from pydantic import BaseModel, Field
 
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
 from backends.engine.backend import EngineBackend
-from backends.reference import ReferenceEngine, ReferenceEngineArgs
+from backends.reference import ReferenceEngine, ReferenceEngineArgs, load_or_build
 from gateway.config import GatewayConfig
 
 from ..conformance import OpenAISchemas
-from ..conftest import MODEL, start_gateway, stop_gateway
+from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway
 
 QUESTION = [{"role": "user", "content": "Tell me about files."}]
 MODE_TOOL = {
@@ -137,7 +138,7 @@ def test_backend_defaulting_to_thinking_reasons_unless_the_request_says_otherwis
 ) -> None:
     _, body = reasoned_answer(thinking_by_default)
     assert body["choices"][0]["message"]["reasoning_content"]
-    for fields in ({"reasoning_effort": "minimal"}, {"chat_template_kwargs": {"thinking": False}}):
+    for fields in ({"reasoning_effort": "none"}, {"chat_template_kwargs": {"thinking": False}}):
         message = chat(thinking_by_default, seed=0, **fields)["choices"][0]["message"]
         assert "reasoning_content" not in message, fields
 
@@ -584,3 +585,78 @@ def test_bad_deepseek_request_is_a_400_naming_the_parameter(
     schemas.check("ErrorResponse", error)
     assert error["error"]["type"] == "invalid_request_error"
     assert error["error"]["param"] == param, error
+
+
+# ---- DeepSeek's dialect (api-docs.deepseek.com), with the official SDK as DeepSeek's docs show it -----------
+
+
+def library_ids(body: dict[str, Any]) -> list[int]:
+    """The prompt ids deepseek-recipe's own converter and encoding give a DeepSeek-dialect Chat body."""
+    tokenizer = recipe.Tokenizer.from_str(load_or_build().tokenizer.to_str())
+    converted = recipe.ChatCompletionRequest({**body, "model": "DeepSeek-V4.1-Flash"}).convert(
+        recipe.ConversionOptions()
+    )
+    return recipe.DeepseekV41Encoding().with_tokenizer(tokenizer).encode(converted.conversation)
+
+
+def test_thinking_switch_in_extra_body_turns_thinking_on_and_off(
+    client: openai.OpenAI, thinking_by_default: httpx.Client
+) -> None:
+    for seed in range(12):
+        completion = client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,  # type: ignore[arg-type]
+            max_tokens=300,
+            seed=seed,
+            extra_body={"thinking": {"type": "enabled"}},
+        )
+        if completion.choices[0].message.model_extra.get("reasoning_content"):  # type: ignore[union-attr]
+            break
+    else:
+        raise AssertionError("thinking enabled gave no reasoning_content in 12 seeds")
+    off = chat(thinking_by_default, seed=0, thinking={"type": "disabled"})["choices"][0]["message"]
+    assert "reasoning_content" not in off and off["content"]
+
+
+@pytest.mark.parametrize("thinking", ["enabled", "disabled"])
+def test_thinking_switch_gives_the_librarys_prompt(http: httpx.Client, thinking: str) -> None:
+    body = {"messages": QUESTION, "thinking": {"type": thinking}, "reasoning_effort": "max"}
+    tokens = http.post("/tokenize", json={"model": MODEL, **body}).json()["tokens"]
+    assert tokens == library_ids(body)
+
+
+@pytest.mark.parametrize("base", ["/v1", "/beta"])
+@pytest.mark.parametrize("thinking", ["enabled", "disabled"])
+def test_prefix_continues_the_final_assistant_message(
+    gateway: RunningGateway, http: httpx.Client, base: str, thinking: str
+) -> None:
+    messages = [*QUESTION, {"role": "assistant", "content": "Files are", "prefix": True}]
+    body = {"messages": messages, "thinking": {"type": thinking}}
+    expected = library_ids(body)
+    assert http.post("/tokenize", json={"model": MODEL, **body}).json()["tokens"] == expected
+    text = http.post("/detokenize", json={"model": MODEL, "tokens": expected}).json()["prompt"]
+    assert text.endswith("<｜Assistant｜></think>Files are") or text.endswith("<｜Assistant｜><think></think>Files are")
+    sdk = openai.OpenAI(base_url=f"{gateway.base_url}{base}", api_key="unused", max_retries=0, timeout=60)
+    completion = sdk.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        seed=1,
+        extra_body={"thinking": {"type": thinking}},
+    )
+    assert completion.usage is not None and completion.usage.prompt_tokens == len(expected)
+    assert completion.choices[0].message.model_extra.get("reasoning_content") is None  # type: ignore[union-attr]
+
+
+def test_prefix_on_a_message_that_is_not_the_final_assistant_one_is_a_400(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Hi", "prefix": True}, {"role": "assistant", "content": "x"}]
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages[0].prefix"
+
+
+def test_user_id_up_to_512_characters(http: httpx.Client) -> None:
+    assert chat(http, user_id="u" * 512, max_tokens=1)["choices"]
+    response = http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 1, "user_id": "u" * 513}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "user_id"

@@ -2,35 +2,47 @@
 
 One place decides, per chat request, everything that depends on the model family: thinking or chat mode and the
 reasoning effort, which tools go into the prompt and how tool calls are parsed back, and the engine's
-structured-output arguments (``so_args``) for ``response_format`` and forced tool calls. Client mistakes are
-``InvalidRequestError``s naming the request field (a 400 for the client).
+structured-output arguments (``so_args``) for ``response_format`` and forced tool calls. The prompt itself, text
+and token ids, is deepseek-recipe's (``conversation``, ``prompt_encoding``): client text never becomes a control
+token. Client mistakes are ``InvalidRequestError``s naming the request field (a 400 for the client).
 
-Thinking mode is on when the request asks for it: a ``reasoning_effort`` other than ``none``/``minimal``, or
-``chat_template_kwargs`` ``thinking`` / ``enable_thinking`` (vLLM's switches; they win over the effort being set,
-except that effort ``none``/``minimal`` always means chat mode). Otherwise the backend's ``default_thinking``.
+Thinking mode, first rule that applies (DeepSeek's order, then vLLM's switches):
+
+1. ``thinking`` (DeepSeek's ``{"type": "enabled"|"disabled"}``, Messages' ``thinking``) decides;
+2. a ``reasoning_effort`` of ``none`` turns it off;
+3. ``chat_template_kwargs`` ``thinking`` / ``enable_thinking`` (vLLM's switches) decide;
+4. any other ``reasoning_effort`` turns it on;
+5. otherwise the model's default (``default_thinking``), except that a forced ``tool_choice`` then turns it off:
+   clients built on OpenAI's semantics (instructor, LangChain's structured output, the Agents SDK) force calls and
+   expect them at once, and DeepSeek's API refuses forced calls in thinking mode. A request that asks for thinking
+   and forces a call keeps both (the gateway's extension): the reasoning stays free and the grammar starts after it.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from backends.deepseek.effort import v41_effort
-from backends.deepseek.encoding import encode_messages, prompt_ends_in_thinking
+from backends.deepseek.conversation import ConversationError, LibraryEffort, LibraryToolChoice, to_conversation
+from backends.deepseek.effort import DEFAULT_EFFORT, parse_effort
 from backends.deepseek.markers import (
+    ASSISTANT,
     DSML_CALLS_END,
     DSML_CALLS_START,
     DSML_INVOKE_END,
     DSML_INVOKE_START,
     DSML_PARAMETER_END,
     DSML_PARAMETER_START,
+    EOS,
     THINK_END,
     THINK_START,
 )
 from backends.deepseek.parser import DeepSeekV41OutputParser, tool_schemas
+from backends.deepseek.prompt_encoding import PromptEncoder
 from backends.deepseek.response_format import response_format_so_args
 from backends.deepseek.schema_checks import ConstraintLimitError, check_constraint_size, check_json_schema
 from backends.deepseek.tool_call_grammar import ToolSchemaError, tool_call_grammar
@@ -63,16 +75,17 @@ class DeepSeekV41ChatTemplate:
 
     def __init__(self, *, default_thinking: bool = False) -> None:
         self.default_thinking = default_thinking
+        self._encoders: dict[int, tuple[Tokenizer, PromptEncoder]] = {}
+        self._encoders_lock = threading.Lock()
         self._think_end_ids: dict[int, list[int]] = {}
 
     def render(self, request: GenerateRequest, tokenizer: Tokenizer) -> ChatPrompt:
         assert request.messages is not None
-        thinking, effort = self.thinking_mode(request)
-        kwargs = request.chat_template_kwargs or {}
         tools = request.tools or None
         _check_tool_schemas(tools)
         choice, forced = _tool_choice(request.tool_choice, tools)
-        prompt_tools = tools if choice != "none" else None
+        thinking, effort = self.thinking_mode(request, forced_call=forced is not None)
+        prompt_tools = None if choice == "none" else (forced if choice == "named" else tools)
 
         try:
             so_args = response_format_so_args(request.response_format)
@@ -100,17 +113,23 @@ class DeepSeekV41ChatTemplate:
                 raise InvalidRequestError(f"{where}: {exc}", param=where) from None
             so_args, so_param = {"schema_type": "ebnf", "schema": grammar}, "tool_choice"
 
+        # A forced call is rendered as "auto": the grammar writes the calls block the library would prefill.
+        library_choice: LibraryToolChoice = "none" if choice == "none" else "auto"
         try:
-            text = encode_messages(
+            conversation = to_conversation(
                 request.messages,
                 thinking=thinking,
-                reasoning_effort=effort,
+                effort=DEFAULT_EFFORT if isinstance(effort, int) else effort,
                 tools=prompt_tools,
+                tool_choice=library_choice,
                 response_format=request.response_format,
-                drop_thinking=bool(kwargs.get("drop_thinking", True)),
+                tools_offered=bool(tools),
             )
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="tools" if "tools[" in str(exc) else "messages") from exc
+        except ConversationError as exc:
+            raise InvalidRequestError(str(exc), param=exc.param) from None
+        text, ids = self._encoder(tokenizer).encode(
+            conversation, effort_number=effort if isinstance(effort, int) and thinking else None
+        )
 
         in_reasoning = prompt_ends_in_thinking(text)
         think_end = self._think_end(tokenizer)
@@ -129,32 +148,54 @@ class DeepSeekV41ChatTemplate:
             so_args=so_args,
             so_param=so_param,
             reasoning_end_token=think_end[0] if len(think_end) == 1 else None,
+            token_ids=ids,
         )
 
-    def thinking_mode(self, request: GenerateRequest) -> tuple[bool, str | int | None]:
-        """(thinking on, V4.1 effort) for a request; raises for an invalid effort or unknown template kwargs."""
+    def thinking_mode(self, request: GenerateRequest, *, forced_call: bool = False) -> tuple[bool, LibraryEffort | int]:
+        """(thinking on, effort) for a request (module docstring); raises for an invalid effort or template kwargs."""
         kwargs = request.chat_template_kwargs or {}
-        for key in kwargs:
+        for key, value in kwargs.items():
             if key not in CHAT_TEMPLATE_KWARGS:
                 raise InvalidRequestError(
                     f"chat_template_kwargs.{key} is not supported; accepted keys: "
                     f"{', '.join(sorted(CHAT_TEMPLATE_KWARGS))}",
                     param=f"chat_template_kwargs.{key}",
                 )
+            if key == "drop_thinking" and not value:
+                raise InvalidRequestError(
+                    "chat_template_kwargs.drop_thinking cannot be false: DeepSeek's V4.1 encoding always drops the "
+                    "reasoning of turns before the last user message",
+                    param="chat_template_kwargs.drop_thinking",
+                )
         try:
-            effort = v41_effort(request.reasoning_effort)
+            off, effort = parse_effort(request.reasoning_effort)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="reasoning_effort") from None
-        if request.reasoning_effort is not None and effort is None:  # none / minimal
-            return False, None
+        chosen = effort if effort is not None else DEFAULT_EFFORT
+        if request.thinking is not None:
+            return request.thinking, chosen
+        if off:
+            return False, chosen
         for key in THINKING_SWITCHES:
             if key in kwargs:
-                return bool(kwargs[key]), effort
+                return bool(kwargs[key]), chosen
         if request.reasoning_effort is not None:
-            return True, effort
-        if request.thinking is not None:
-            return request.thinking, effort
-        return self.default_thinking, effort
+            return True, chosen
+        return self.default_thinking and not forced_call, chosen
+
+    def bind_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Builds the library's encoding for the engine's tokenizer and warms it, before the first request."""
+        self._encoder(tokenizer).encode(to_conversation([{"role": "user", "content": ""}], thinking=False, effort=None))
+        self._think_end(tokenizer)
+
+    def _encoder(self, tokenizer: Tokenizer) -> PromptEncoder:
+        """deepseek-recipe's encoding for this engine tokenizer, built once per tokenizer (its JSON is parsed)."""
+        key = id(tokenizer)
+        with self._encoders_lock:
+            entry = self._encoders.get(key)
+            if entry is None or entry[0] is not tokenizer:
+                entry = self._encoders[key] = (tokenizer, PromptEncoder(tokenizer))
+            return entry[1]
 
     def _think_end(self, tokenizer: Tokenizer) -> list[int]:
         """Token ids of ``</think>`` (one token in V4.1's vocabulary), cached per tokenizer."""
@@ -163,6 +204,20 @@ class DeepSeekV41ChatTemplate:
         if ids is None:
             ids = self._think_end_ids[key] = list(tokenizer.encode(THINK_END, add_special_tokens=False).ids)
         return list(ids)
+
+
+def prompt_ends_in_thinking(prompt: str) -> bool:
+    """Whether generation starts inside reasoning, to pick the output parser's initial state.
+
+    True when the last assistant header opened ``<think>`` and nothing after it closed the reasoning: a fresh
+    thinking-mode prompt (``…<｜Assistant｜><think>``) or a ``prefix`` continuation whose reasoning has no
+    ``</think>`` yet (``…<｜Assistant｜><think>partial``).
+    """
+    head = prompt.rfind(ASSISTANT)
+    if head < 0:
+        return False
+    tail = prompt[head + len(ASSISTANT) :]
+    return tail.startswith(THINK_START) and THINK_END not in tail and EOS not in tail
 
 
 def _check_tool_schemas(tools: list[dict[str, Any]] | None) -> None:

@@ -1,97 +1,204 @@
-"""The conversation rewrites of the V4.1 encoder (H2, H5): where tools go, merged user turns, dropped reasoning."""
+"""A normalized chat request as deepseek-recipe's ``Conversation``: the library renders and encodes V4.1 prompts.
+
+Chat Completions, Responses and Messages all reach the backends as OpenAI-shaped message dicts
+(``GenerateRequest.messages``). This module turns them into the library's conversation model, the same one the
+library's own converter builds from the equivalent DeepSeek-dialect Chat Completions body (the suite checks that
+with the library as the oracle), so that DeepSeek's code, not ours, decides the prompt. What stays ours is what
+the library's model cannot say (docs/deepseek.md lists each with its reason):
+
+- ``developer`` messages become system messages (the library has no ``developer`` role);
+- a message's ``reasoning`` (vLLM's name) is read as its ``reasoning_content``;
+- a null tool result is an empty one (the library's converter refuses null content);
+- the response-format extensions: ``regex`` is the library's own ``response_regex``; ``ebnf`` has no prompt
+  section (the grammar is enforced by the engine only).
+
+Every client mistake is a ``ValueError`` whose first word is the parameter path it names.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
-from backends.deepseek.dsml import ToolCall
-from backends.deepseek.messages import Block, Turn
+import deepseek_recipe as recipe
 
-# Roles that survive unchanged before the last user turn when thinking is dropped (H2.6). Assistants
-# survive without their reasoning; developer messages are dropped.
-_KEPT_BEFORE_LAST_USER = frozenset({"user", "system", "tool", "latest_reminder", "direct_search_results"})
+LibraryEffort = Literal["low", "high", "xhigh", "max"]
+LibraryToolChoice = Literal["auto", "none", "required"]
 
 
-def attach_to_first_system(
-    turns: list[Turn],
-    tools: tuple[Mapping[str, Any], ...],
-    response_format: Mapping[str, Any] | None,
-) -> list[Turn]:
-    """Put ``tools`` and ``response_format`` on the first system message, inserting an empty one at 0 (H5)."""
-    if not tools and response_format is None:
-        return turns
-    turns = list(turns)
-    target = next((i for i, turn in enumerate(turns) if turn.role == "system"), None)
-    if target is None:
-        turns.insert(0, Turn(role="system"))
-        target = 0
-    turns[target] = replace(turns[target], tools=tools, response_format=response_format)
-    return turns
+class ConversationError(ValueError):
+    """A message or tool the library's conversation model cannot hold; ``param`` is the request path."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
-def merge_user_turns(turns: list[Turn]) -> list[Turn]:
-    """Fold each run of consecutive tool and user messages into one user turn made of blocks (H2.2, H2.3)."""
-    merged: list[Turn] = []
-    last_calls: tuple[ToolCall, ...] = ()
-    for turn in turns:
-        if turn.role == "tool":
-            block = Block("tool_result", turn.content, turn.tool_call_id)
-        elif turn.role == "user":
-            block = Block("text", turn.content)
-        else:
-            if merged and merged[-1].role == "user":
-                merged[-1] = _sort_tool_results(merged[-1], last_calls)
-            if turn.role == "assistant" and turn.tool_calls:  # results after a call-less reply keep the last order
-                last_calls = turn.tool_calls
-            merged.append(turn)
-            continue
-        if merged and merged[-1].role == "user":
-            merged[-1] = replace(merged[-1], blocks=(*merged[-1].blocks, block))
-        else:
-            merged.append(Turn(role="user", blocks=(block,)))
-    if merged and merged[-1].role == "user":
-        merged[-1] = _sort_tool_results(merged[-1], last_calls)
-    return merged
+def to_conversation(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    thinking: bool,
+    effort: LibraryEffort | None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: LibraryToolChoice = "auto",
+    response_format: Mapping[str, Any] | None = None,
+    tools_offered: bool = False,
+) -> recipe.Conversation:
+    """The library ``Conversation`` for a request's messages and prompt options.
 
-
-def _sort_tool_results(turn: Turn, calls: tuple[ToolCall, ...]) -> Turn:
-    """Order tool results by their call's position in the preceding assistant turn; text keeps its slots."""
-    order = {call.id: position for position, call in enumerate(calls) if call.id}  # a repeated id: its last call
-    slots = [i for i, block in enumerate(turn.blocks) if block.kind == "tool_result"]
-    if len(slots) < 2 or not order:
-        return turn
-    results = sorted((turn.blocks[i] for i in slots), key=lambda block: order.get(block.tool_use_id, 0))
-    blocks = list(turn.blocks)
-    for slot, block in zip(slots, results, strict=True):
-        blocks[slot] = block
-    return replace(turn, blocks=tuple(blocks))
-
-
-def last_user_index(turns: Sequence[Turn]) -> int:
-    """Index of the last user/developer turn or mid-conversation system message, -1 when there is none.
-
-    A user turn made only of tool results does not count: it continues the assistant's turn rather than
-    starting a new one (DeepSeek's released encoder), so the reasoning of the calls it answers is kept.
+    ``tools``: the tools the prompt shows; ``tools_offered``: whether the request has any (even with
+    ``tool_choice: "none"``), since a ``prefix`` continuation is refused with tools, as by the library.
     """
-    for idx in range(len(turns) - 1, -1, -1):
-        turn = turns[idx]
-        if turn.role == "user" and turn.blocks and all(block.kind == "tool_result" for block in turn.blocks):
+    if not messages:
+        raise ConversationError("messages", "must contain at least one message")
+    formatted = response_format is not None and response_format.get("type", "text") != "text"
+    _check_prefix(messages, tools_offered=tools_offered, formatted=formatted)
+    converted = [
+        _message(idx, message, thinking=thinking)
+        for idx, message in enumerate(messages)
+        if not (
+            message.get("role") in ("system", "developer") and not _text(f"messages[{idx}]", message.get("content"))
+        )
+    ]  # an empty system message is left out, as the library's converter does
+    schema, regex, format_name = _response_format(response_format)
+    try:
+        return recipe.Conversation(
+            converted,
+            thinking_mode=thinking,
+            tools=[_tool(idx, tool) for idx, tool in enumerate(tools or ())],
+            tool_choice=tool_choice,
+            reasoning_effort=effort if thinking else None,
+            response_format=format_name,
+            response_schema=schema,
+            response_regex=regex,
+        )
+    except ValueError as exc:
+        raise ConversationError("response_format", str(exc)) from None
+
+
+def _check_prefix(messages: Sequence[Mapping[str, Any]], *, tools_offered: bool, formatted: bool) -> None:
+    """``prefix: true`` continues the final assistant message, without tools or a response format (the library's
+    rules)."""
+    last = len(messages) - 1
+    for idx, message in enumerate(messages):
+        if message.get("prefix") is not True:
             continue
-        if turn.role in ("user", "developer") or (turn.role == "system" and idx > 0):
-            return idx
-    return -1
+        if idx != last or message.get("role") != "assistant":
+            raise ConversationError(
+                f"messages[{idx}].prefix", "only the final message, an assistant one, can be continued"
+            )
+        if tools_offered or any(other.get("tool_calls") for other in messages):
+            raise ConversationError(
+                f"messages[{idx}].prefix", "a prefix continuation cannot be combined with tools or tool calls"
+            )
+        if formatted:
+            raise ConversationError(
+                f"messages[{idx}].prefix", "a prefix continuation cannot be combined with a response_format"
+            )
 
 
-def drop_history_thinking(turns: list[Turn]) -> list[Turn]:
-    """Remove reasoning and developer messages that precede the last user turn (H2.6)."""
-    last_user_idx = last_user_index(turns)
-    kept: list[Turn] = []
-    for idx, turn in enumerate(turns):
-        if idx >= last_user_idx or turn.role in _KEPT_BEFORE_LAST_USER:
-            kept.append(turn)
-        elif turn.role == "assistant":
-            kept.append(replace(turn, reasoning=None))
-        # developer messages before the last user turn are dropped
-    return kept
+def _message(idx: int, message: Mapping[str, Any], *, thinking: bool) -> recipe.Message:
+    where = f"messages[{idx}]"
+    role = message.get("role")
+    content = _text(where, message.get("content"))
+    if role in ("system", "developer"):
+        return recipe.SystemMessage(content)
+    if role == "user":
+        return recipe.UserMessage(content)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        return recipe.ToolMessage(content, None if call_id is None else str(call_id))
+    if role == "assistant":
+        reasoning = message.get("reasoning")
+        if reasoning is None:
+            reasoning = message.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ConversationError(f"{where}.reasoning_content", "must be a string")
+        if not thinking:
+            reasoning = None  # chat mode renders no reasoning; the library's converter drops it
+        elif reasoning is None:
+            reasoning = ""  # the library's converter fills it so (ReasoningContentBehavior.FillEmpty)
+        calls = message.get("tool_calls") or ()
+        if not isinstance(calls, Sequence) or isinstance(calls, str):
+            raise ConversationError(f"{where}.tool_calls", "must be a list")
+        return recipe.AssistantMessage(
+            content,
+            reasoning,
+            [_tool_call(f"{where}.tool_calls[{n}]", call) for n, call in enumerate(calls)] or None,
+            prefix=message.get("prefix") is True,
+        )
+    raise ConversationError(
+        f"{where}.role", f"unsupported role {role!r}; expected 'system', 'developer', 'user', 'assistant' or 'tool'"
+    )
+
+
+def _text(where: str, content: Any) -> str:
+    """A message's text: a string, null, or text parts joined by a blank line (as the library's converter)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, Sequence):
+        raise ConversationError(f"{where}.content", "must be a string, null or a list of content parts")
+    pieces = []
+    for n, part in enumerate(content):
+        text = part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else None
+        if not isinstance(text, str):
+            raise ConversationError(f"{where}.content[{n}]", "only text parts are supported")
+        pieces.append(text)
+    return "\n\n".join(pieces)
+
+
+def _tool_call(where: str, call: Any) -> recipe.ToolCall:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        raise ConversationError(f"{where}.function", "must be an object")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConversationError(f"{where}.function.name", "must be a non-empty string")
+    arguments = function.get("arguments")
+    if arguments is None:
+        arguments = "{}"
+    elif not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    call_id = call.get("id")
+    return recipe.ToolCall("" if call_id is None else str(call_id), name, arguments)
+
+
+def _tool(idx: int, tool: Any) -> recipe.ToolDefinition:
+    where = f"tools[{idx}]"
+    if not isinstance(tool, Mapping):
+        raise ConversationError(where, "must be an object")
+    if tool.get("type", "function") != "function":
+        raise ConversationError(f"{where}.type", f"unsupported tool type {tool.get('type')!r}; expected 'function'")
+    function = tool.get("function")
+    if not isinstance(function, Mapping):
+        raise ConversationError(f"{where}.function", "must be an object")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConversationError(f"{where}.function.name", "must be a non-empty string")
+    description = function.get("description")
+    strict = function.get("strict")
+    return recipe.ToolDefinition(
+        name,
+        description if isinstance(description, str) else None,
+        function.get("parameters"),
+        strict if isinstance(strict, bool) else None,
+    )
+
+
+def _response_format(
+    response_format: Mapping[str, Any] | None,
+) -> tuple[Any | None, str | None, Literal["text", "json_object"]]:
+    """(response_schema, response_regex, response_format) of the library for an OpenAI ``response_format``."""
+    kind = response_format.get("type") if response_format is not None else None
+    if response_format is None or kind not in ("json_object", "json_schema", "regex"):
+        return None, None, "text"  # text, and the ebnf extension (no prompt section: the engine enforces it)
+    if kind == "json_object":
+        return None, None, "json_object"
+    if kind == "regex":
+        return None, response_format.get("regex"), "text"
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, Mapping) else None
+    return ({"type": "object", "additionalProperties": True} if schema is None else schema), None, "text"

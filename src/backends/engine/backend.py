@@ -21,6 +21,7 @@ from backends.engine.prompts import (
     DEFAULT_PREPARE_THREADS,
     ChatTemplate,
     PromptPreparer,
+    TokenizerBoundTemplate,
 )
 from backends.engine.prompts import (
     ChatPrompt as ChatPrompt,  # re-exported, as it was defined here before
@@ -88,6 +89,8 @@ class EngineBackend:
             self._table = await asyncio.to_thread(
                 functools.partial(TokenTable, engine.tokenizer, markers=self._chat_template.output_markers)
             )
+            if isinstance(self._chat_template, TokenizerBoundTemplate):  # its per-tokenizer state, before traffic
+                await asyncio.to_thread(self._chat_template.bind_tokenizer, engine.tokenizer)
             self._prompts.start(engine, self._table)
             self._started = True
         finally:
@@ -221,7 +224,10 @@ class EngineBackend:
         engine = self._ready_engine()
         if request.messages is not None:
             reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
-            text = self._chat_template.render(request, engine.tokenizer).text
+            chat = self._chat_template.render(request, engine.tokenizer)
+            if chat.token_ids is not None:
+                return list(chat.token_ids)
+            text = chat.text
             default = False  # the chat encoding writes BOS itself
         else:
             text = request.prompt or ""

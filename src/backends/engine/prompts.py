@@ -24,7 +24,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 from tokenizers import Encoding, Tokenizer
@@ -65,6 +65,7 @@ class ChatPrompt(NamedTuple):
     so_args: dict[str, Any] | None = None  # DeepInfer structured-output arguments
     so_param: str | None = None  # the request field that asked for constrained decoding, for error messages
     reasoning_end_token: int | None = None  # id of the token that closes reasoning, to count reasoning tokens
+    token_ids: Sequence[int] | None = None  # the prompt's ids, when the template encodes it (client text stays text)
 
 
 class ChatTemplate(Protocol):
@@ -78,6 +79,14 @@ class ChatTemplate(Protocol):
     output_markers: Sequence[str]
 
     def render(self, request: GenerateRequest, tokenizer: Tokenizer) -> ChatPrompt: ...
+
+
+@runtime_checkable
+class TokenizerBoundTemplate(Protocol):
+    """A chat template with costly per-tokenizer state (DeepSeek's: the library's encoding of the engine's
+    ``tokenizer.json``), built once when the backend starts rather than by its first request."""
+
+    def bind_tokenizer(self, tokenizer: Tokenizer) -> None: ...
 
 
 class PreparedPrompt(NamedTuple):
@@ -162,7 +171,10 @@ class PromptPreparer:
             add_special_tokens = True
         if parts is not None:
             parts["gateway.prompt.chars"] = len(text)
-        ids = self._tokenize(text, add_special_tokens, engine, param="messages" if chat is not None else "prompt")
+        if chat is not None and chat.token_ids is not None:
+            ids = _checked_ids(chat.token_ids, engine.max_model_len)
+        else:
+            ids = self._tokenize(text, add_special_tokens, engine, param="messages" if chat is not None else "prompt")
         if parts is not None:
             mark = _part(parts, "gateway.prompt.tokenize_s", mark)
         so_args: Mapping[str, Any] | None = chat.so_args if chat is not None else None
@@ -191,6 +203,13 @@ class PromptPreparer:
             if len(text) >= TRIM_AFTER_CHARS:
                 encoding = None
                 release_free_heap()
+
+
+def _checked_ids(token_ids: Sequence[int], limit: int) -> np.ndarray:
+    """A chat template's own token ids, checked against the context length."""
+    if len(token_ids) > limit:
+        raise _too_long(limit, f"has {len(token_ids)} tokens", "messages")
+    return np.array(token_ids, dtype=np.int32)
 
 
 def _small(request: GenerateRequest) -> bool:

@@ -53,10 +53,8 @@ class Thinking(_Body):
 
     @model_validator(mode="after")
     def _budget_rules(self) -> Thinking:
-        if self.type == "enabled":
-            if self.budget_tokens is None:
-                raise MissingParameter("budget_tokens", "thinking of type 'enabled' needs budget_tokens")
-            if self.budget_tokens < MIN_THINKING_BUDGET:
+        if self.type == "enabled":  # without budget_tokens too, as DeepSeek's Anthropic-format API takes it
+            if self.budget_tokens is not None and self.budget_tokens < MIN_THINKING_BUDGET:
                 raise ParameterError("budget_tokens", f"must be at least {MIN_THINKING_BUDGET}")
         elif self.budget_tokens is not None:
             raise ParameterError("budget_tokens", f"thinking of type {shown(self.type)} takes no budget_tokens")

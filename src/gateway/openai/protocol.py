@@ -73,6 +73,9 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = Field(None, description="vLLM's name for reasoning_content; either is accepted")
+    prefix: bool | None = Field(
+        None, description="DeepSeek's prefix completion: the final assistant message is continued, not answered"
+    )
     refusal: str | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
@@ -137,6 +140,16 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "\n\n".join(part["text"] for part in self.content)
+
+
+class ThinkingSwitch(_Body):
+    """DeepSeek's thinking toggle: ``{"type": "enabled"}`` or ``{"type": "disabled"}``."""
+
+    type: Literal["enabled", "disabled"]
+
+    @property
+    def enabled(self) -> bool:
+        return self.type == "enabled"
 
 
 class StreamOptions(_Body):
@@ -233,6 +246,8 @@ class ChatCompletionRequest(_Sampling):
         None, description="none, minimal, low, medium, high, xhigh, max, or (extension) an integer from 1 to 100"
     )
     chat_template_kwargs: dict[str, Any] | None = Field(None, description='extension: e.g. {"thinking": true}')
+    thinking: ThinkingSwitch | None = Field(None, description='DeepSeek\'s switch: {"type": "enabled"|"disabled"}')
+    user_id: str | None = Field(None, max_length=512, description="DeepSeek's end-user id (at most 512 characters)")
     # Accepted at their defaults only (see the validator).
     modalities: list[Literal["text", "audio"]] | None = None
     audio: dict[str, Any] | None = None

@@ -117,6 +117,7 @@ async def _respond(
 
 
 @router.post("/v1/chat/completions", response_model=None)
+@router.post("/beta/chat/completions", response_model=None, include_in_schema=False)  # DeepSeek's beta base URL
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = gateway_state(request)
     _check_n(body.n, state)
@@ -140,11 +141,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             ),
             n=body.n,
             max_buffered_tokens=server.stream_buffer_tokens,
-            user=body.user,
+            user=body.user if body.user is not None else body.user_id,
             tools=body.tools,
             tool_choice=body.tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,
             response_format=body.response_format,
+            thinking=body.thinking.enabled if body.thinking is not None else None,
             reasoning_effort=body.reasoning_effort,
             chat_template_kwargs=body.chat_template_kwargs,
         )
@@ -165,6 +167,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 @router.post("/v1/completions", response_model=None)
+@router.post("/beta/completions", response_model=None, include_in_schema=False)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = gateway_state(request)
     _check_n(body.n, state)

@@ -19,7 +19,7 @@ from backends.errors import BackendError, ModelNotFoundError
 from backends.interface import GenerateRequest, TokenizingBackend
 from gateway.capabilities import capability
 from gateway.errors import APIError, api_error_from_backend
-from gateway.openai.protocol import ChatMessage
+from gateway.openai.protocol import ChatMessage, ThinkingSwitch
 from gateway.state import GatewayState, gateway_state
 
 router = APIRouter(tags=["tokenizer"])
@@ -49,6 +49,7 @@ class TokenizeRequest(_Body):
     reasoning_effort: str | int | None = Field(
         None, description="messages only; as in /v1/chat/completions, it sets thinking mode and the prompt's effort"
     )
+    thinking: ThinkingSwitch | None = Field(None, description="messages only; DeepSeek's switch, as in chat")
     return_token_strs: bool = False
 
 
@@ -121,6 +122,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             prompt=body.prompt,
             tools=body.tools,
             chat_template_kwargs=body.chat_template_kwargs,
+            thinking=body.thinking.enabled if body.thinking is not None else None,
             reasoning_effort=body.reasoning_effort,
         )
         ids = await backend.tokenize(generate, add_special_tokens=body.add_special_tokens)

@@ -41,10 +41,15 @@ def double_environment() -> dict[str, str]:
 
 
 def answer(base: str, model: str) -> str:
-    """One chat through the openai SDK, on a new connection (so any front end may accept it)."""
+    """One chat through the openai SDK, on a new connection (so any front end may accept it); in chat mode, so
+    its few tokens are content (a deepinfer backend thinks by default, as DeepSeek serves V4.1)."""
     with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60) as client:
         completion = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, seed=3
+            model=model,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=6,
+            seed=3,
+            extra_body={"thinking": {"type": "disabled"}},
         )
     content = completion.choices[0].message.content
     assert completion.choices[0].finish_reason in ("stop", "length") and content

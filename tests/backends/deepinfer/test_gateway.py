@@ -80,13 +80,25 @@ def test_streamed_completion_carries_the_same_text(client: openai.OpenAI, schema
 
 def test_chat_uses_the_deepseek_prompt_and_the_rest_of_the_context_by_default(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hello double"}], extra_body={"ignore_eos": True}
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello double"}],
+        extra_body={"ignore_eos": True, "thinking": {"type": "disabled"}},
     )
     assert reply.choices[0].message.content.startswith("hello double")
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage is not None
     assert reply.usage.prompt_tokens + reply.usage.completion_tokens == MAX_MODEL_LEN, "not DeepInfer's 16"
     assert reply.system_fingerprint == FINGERPRINT
+
+
+def test_chat_thinks_at_effort_high_by_default_as_deepseek_serves_v41(client: openai.OpenAI) -> None:
+    """The double writes the prompt back: a request that says nothing about thinking reasons over V4.1's thinking
+    prompt with effort high (75), as reasoning_content."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello double"}], max_tokens=40
+    )
+    reasoning = reply.choices[0].message.model_extra.get("reasoning_content")  # type: ignore[union-attr]
+    assert reasoning is not None and reasoning.startswith("Reasoning Effort: 75 (range 1-100")
 
 
 def test_logprobs_come_from_the_engine_outputs(client: openai.OpenAI) -> None:

@@ -46,20 +46,18 @@ def test_chat_mode_by_default_and_thinking_when_the_backend_defaults_to_it(artif
 
 
 @pytest.mark.parametrize(
-    ("effort", "value"), [("low", 50), ("medium", 75), ("high", 75), ("xhigh", 75), ("max", 100), (37, 37)]
+    ("effort", "value"),
+    [("minimal", 50), ("low", 50), ("medium", 75), ("high", 75), ("xhigh", 75), ("max", 100), ("ultra", 100), (37, 37)],
 )
-def test_reasoning_effort_turns_thinking_on_with_the_mapped_v41_effort(
+def test_reasoning_effort_turns_thinking_on_with_deepseeks_mapping(
     artifacts: ReferenceArtifacts, effort: str | int, value: int
 ) -> None:
     text = render(artifacts, reasoning_effort=effort).text
     assert text.endswith(THINK_TAIL) and effort_line(value) in text
 
 
-@pytest.mark.parametrize("effort", ["none", "minimal"])
-def test_none_and_minimal_effort_mean_chat_mode_even_with_a_thinking_switch(
-    artifacts: ReferenceArtifacts, effort: str
-) -> None:
-    prompt = render(artifacts, default_thinking=True, reasoning_effort=effort, chat_template_kwargs={"thinking": True})
+def test_none_effort_means_chat_mode_even_with_a_thinking_switch(artifacts: ReferenceArtifacts) -> None:
+    prompt = render(artifacts, default_thinking=True, reasoning_effort="none", chat_template_kwargs={"thinking": True})
     assert prompt.text.endswith(CHAT_TAIL)
 
 
@@ -122,7 +120,7 @@ def test_named_tool_choice_constrains_output_to_that_tool_only(artifacts: Refere
     prompt = render(artifacts, tools=[WEATHER, CLOCK], tool_choice=choice)
     assert prompt.so_args is not None
     assert '\\"now\\"' in prompt.so_args["schema"] and "get_weather" not in prompt.so_args["schema"]
-    assert "## Tools" in prompt.text and "get_weather" in prompt.text  # the model still sees every tool
+    assert "## Tools" in prompt.text and "get_weather" not in prompt.text  # as deepseek-recipe: the named tool only
 
 
 def test_in_thinking_mode_constraints_start_after_the_reasoning(artifacts: ReferenceArtifacts) -> None:
@@ -167,7 +165,8 @@ def test_bad_tool_and_format_requests_are_invalid_requests_naming_the_field(
 
 def test_response_format_goes_into_the_prompt_and_the_engine_constraint(artifacts: ReferenceArtifacts) -> None:
     prompt = render(artifacts, response_format=SCHEMA_FORMAT)
-    assert "## Response Format:" in prompt.text and json.dumps(SCHEMA_FORMAT) in prompt.text
+    schema = json.dumps(SCHEMA_FORMAT["json_schema"]["schema"])
+    assert "## Response Format:" in prompt.text and schema in prompt.text  # the schema, as deepseek-recipe writes it
     assert prompt.so_args == {"schema_type": "json", "schema": json.dumps(SCHEMA_FORMAT["json_schema"]["schema"])}
     assert prompt.so_param == "response_format"
 
@@ -192,3 +191,14 @@ def test_tool_call_history_renders_and_tool_results_merge_into_the_user_turn(art
     text = render(artifacts, messages=history, tools=[WEATHER]).text
     assert '<｜DSML｜ parameter name="city" string="true">P</｜DSML｜ parameter>' in text
     assert text.endswith("<｜User｜><tool_result>sunny</tool_result>" + CHAT_TAIL)
+
+
+def test_a_forced_call_is_served_in_chat_mode_unless_the_request_asks_for_thinking(
+    artifacts: ReferenceArtifacts,
+) -> None:
+    """OpenAI-semantics clients (instructor, LangChain, the Agents SDK) force calls and read them at once."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        assert render(artifacts, default_thinking=True, tools=[WEATHER], tool_choice=choice).text.endswith(CHAT_TAIL)
+        asked = render(artifacts, default_thinking=True, tools=[WEATHER], tool_choice=choice, thinking=True)
+        assert asked.text.endswith(THINK_TAIL)
+    assert render(artifacts, default_thinking=True, tools=[WEATHER], tool_choice="auto").text.endswith(THINK_TAIL)

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.deepseek.arguments import arguments_json
-from backends.deepseek.dsml import ToolCall, render_tool_calls
 from backends.deepseek.parser import DeepSeekV41OutputParser, ParsedText, tool_schemas
+
+from .dsml_text import ToolCall, render_tool_calls
 
 WEATHER_PARAMETERS: dict[str, Any] = {
     "type": "object",

@@ -10,11 +10,12 @@ import llguidance
 import pytest
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from backends.deepseek.dsml import ToolCall, render_tool_calls
 from backends.deepseek.response_format import response_format_so_args
 from backends.deepseek.schema_checks import check_json_schema
 from backends.deepseek.tool_call_grammar import tool_call_grammar
 from backends.reference import ReferenceArtifacts
+
+from .dsml_text import ToolCall, render_tool_calls
 
 WEATHER = {
     "name": "get_weather",

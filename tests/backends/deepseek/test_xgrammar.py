@@ -36,7 +36,6 @@ from hypothesis import strategies as st
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
-from backends.deepseek.dsml import ToolCall, render_tool_calls
 from backends.interface import GenerateRequest
 from backends.reference import ReferenceArtifacts
 from backends.reference.strict_schema import strict_json_schema
@@ -44,6 +43,7 @@ from backends.reference.strict_schema import strict_json_schema
 from ...clients.structured_models import BookTrip, Forecast
 from ..deepinfer.harness.build import built_harness, ensure_harness
 from ..deepinfer.harness.xgrammar import ensure_xgrammar
+from .dsml_text import ToolCall, render_tool_calls
 from .test_json_grammar import CASES, SCHEMAS, engines, value_near
 
 ORACLE = Path(__file__).with_name("xgrammar_oracle.py")

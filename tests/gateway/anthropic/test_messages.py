@@ -133,6 +133,7 @@ def test_effort_and_budget_reach_v41s_prompt_only_in_thinking_mode(
     thinking = count(thinking={"type": "adaptive"})
     assert thinking > chat, "thinking mode prints the effort at the top of the prompt"
     assert count(thinking={"type": "enabled", "budget_tokens": 2048}) == thinking
+    assert count(thinking={"type": "enabled"}) == thinking, "DeepSeek's form: enabled without budget_tokens"
     default_length, default_text = chat_prompt("high")
     assert "Reasoning Effort: 75 " in default_text and thinking == default_length, "V4.1's default effort, 75"
     low_length, low_text = chat_prompt("low")
@@ -326,7 +327,6 @@ def test_a_prompt_longer_than_the_context_is_a_400_saying_prompt_is_too_long(cla
         ({"tools": [WEATHER], "tool_choice": {"type": "any"}, "thinking": {"type": "adaptive"}}, "tool_choice"),
         ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens"),
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "budget_tokens"),
-        ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
         ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
         ({"stop_sequences": ["  "]}, "stop_sequences[0]"),
         ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management.edits[0].type"),
