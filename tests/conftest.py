@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -40,6 +42,11 @@ from .conformance import OpenAISchemas
 # run stays in the clone.
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
     set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"deepinfer-gateway-hypothesis-{os.getuid()}")
+# The gateways of a run keep their default SQLite stores (stored responses, batches) in a folder of the run's own,
+# inherited by the gateway processes tests start: never a developer's ~/.cache/deepinfer-gateway/*.sqlite3, whose
+# batches a test gateway would otherwise pick up and run.
+os.environ["DEEPINFER_GATEWAY_STATE"] = tempfile.mkdtemp(prefix="deepinfer-gateway-state-")
+atexit.register(shutil.rmtree, os.environ["DEEPINFER_GATEWAY_STATE"], ignore_errors=True)
 settings.register_profile("deterministic", derandomize=True, database=None, deadline=None)
 settings.register_profile("explore", derandomize=False, database=None, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
@@ -95,11 +102,12 @@ def start_gateway(
     wait_for: str = "/ready",
     ready_timeout: float = 180.0,
     budget_clock: Callable[[], float] | None = None,
+    batch_clock: Callable[[], float] = time.time,
 ) -> RunningGateway:
     """Runs the gateway's server as ``serve`` does (uvicorn on uvloop behind the connection guard, whose protocol
     also gives streams their direct body writes) in a thread on 127.0.0.1 with a kernel-chosen port, and waits
     until ``wait_for`` is 200."""
-    app = create_app(config, backends, budget_clock=budget_clock)
+    app = create_app(config, backends, budget_clock=budget_clock, batch_clock=batch_clock)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -33,12 +33,33 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TierQueue(_Strict):
+    """One service tier's queue in front of a backend; unset fields follow the backend's ``max_queue`` and its
+    ``queue_timeout`` scaled by the tier (README, Flow control)."""
+
+    max_queue: int | None = Field(None, ge=0, description="requests of the tier that may wait; beyond: 503")
+    queue_timeout: float | None = Field(None, gt=0, description="longest wait of the tier's requests before a 503")
+
+
 class _Admission(_Strict):
-    """Admission control the gateway applies in front of every backend (docs: README, Security and limits)."""
+    """Admission control the gateway applies in front of every backend (docs: README, Flow control)."""
 
     max_in_flight: int | None = Field(1024, ge=1, description="requests admitted at once; null: no bound")
-    max_queue: int = Field(256, ge=0, description="requests that may wait for a slot; beyond: 503")
-    queue_timeout: float = Field(30.0, gt=0, description="longest wait for a slot before a 503")
+    max_queue: int = Field(256, ge=0, description="requests of one service tier that may wait for a slot; beyond: 503")
+    queue_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="longest wait for a slot of a default-tier request before a 503 (priority: 1/6 of it, flex 4 "
+        "times, batch 20 times, unless tiers says otherwise)",
+    )
+    tiers: dict[Literal["priority", "default", "flex", "batch"], TierQueue] = Field(
+        default_factory=dict, description="per service tier: its own max_queue and queue_timeout"
+    )
+    flow_control: Literal["fair", "fifo"] = Field(
+        "fair",
+        description="fair: service tiers first, then weighted fair sharing between keys and vLLM's priority; fifo: "
+        "one first-come queue (tiers, weights and priority ignored)",
+    )
 
 
 class _Preparation(_Admission):
@@ -254,11 +275,16 @@ _ENV_HINTS = {
 
 
 class LMDeployBackendConfig(_Admission):
-    """One or more LMDeploy ``api_server`` nodes reached over HTTP (see docs/lmdeploy.md)."""
+    """One or more LMDeploy ``api_server`` nodes or proxies reached over HTTP (see docs/lmdeploy.md)."""
 
     name: str
     kind: Literal["lmdeploy"] = "lmdeploy"
     urls: list[HttpUrl] = Field(min_length=1, description="base URLs of the api_server nodes, without /v1")
+    node_kind: Literal["auto", "api_server", "proxy"] = Field(
+        "auto",
+        description="what the urls are: api_server nodes, LMDeploy proxies (lmdeploy serve proxy), or auto "
+        "(a url whose /health is 404 and whose /nodes/status answers is a proxy)",
+    )
     api_key: str | None = Field(None, description="bearer token the nodes were started with (--api-keys)")
     model: str | None = Field(None, description="upstream model name; discovered from each node's /v1/models if unset")
     model_map: dict[str, str] = Field(

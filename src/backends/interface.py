@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 
 PromptKind = Literal["chat", "text", "tokens"]
 
+SERVICE_TIERS: tuple[str, ...] = ("priority", "default", "flex", "batch")
+"""The service tiers, best first. A request of a better tier is admitted before any of a worse one. ``batch`` is
+internal: the Batch API's work, below ``flex``; the online routes never accept it from a client."""
+
+CLIENT_SERVICE_TIERS: tuple[str, ...] = SERVICE_TIERS[:-1]
+"""The tiers a client may name on the online routes (``auto`` aside, which means the key's default)."""
+
 
 @dataclass(slots=True)
 class SamplingOptions:
@@ -135,6 +142,10 @@ class GenerateRequest:
     reasoning_effort: str | int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     trace: CallTrace | None = None  # set by the gateway on the requests of a traced backend call
+    service_tier: str = "default"  # one of SERVICE_TIERS: which tier's queue admits the request
+    priority: int = 0  # vLLM's extension: within a tier, lower is admitted first
+    tenant: str | None = None  # the label of the API key it came with: whose share of the backend it uses
+    log: dict[str, object] | None = None  # the request's access-log line: admission adds its tier and queue wait
 
     @property
     def kind(self) -> PromptKind:

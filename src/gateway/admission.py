@@ -1,9 +1,11 @@
-"""Admission control around a backend: at most ``max_in_flight`` requests, then a bounded, timed queue."""
+"""Admission control around a backend: at most ``max_in_flight`` requests, then flow control's tiered, fair,
+bounded and timed queues (``gateway.flow_control``), whatever the backend's kind (in process, data-parallel ranks
+behind their dispatcher, LMDeploy nodes): the gateway holds the queue, the backend sees only admitted requests."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 
 from backends.interface import (
     Backend,
@@ -17,7 +19,7 @@ from backends.interface import (
     traced_stage,
 )
 from gateway.capabilities import WrappedBackend
-from gateway.limits import AdmissionGate
+from gateway.flow_control import Admission, FlowController, FlowMetrics, tier_bounds
 
 
 class AdmittedBackend(WrappedBackend):
@@ -26,7 +28,7 @@ class AdmittedBackend(WrappedBackend):
 
     __slots__ = ("gate",)
 
-    def __init__(self, backend: Backend, gate: AdmissionGate) -> None:
+    def __init__(self, backend: Backend, gate: FlowController) -> None:
         super().__init__(backend)
         self.gate = gate
 
@@ -42,7 +44,7 @@ class _AdmittedEvents:
 
     __slots__ = ("_backend", "_closed", "_events", "_gate", "_request", "_started")
 
-    def __init__(self, backend: Backend, gate: AdmissionGate, request: GenerateRequest) -> None:
+    def __init__(self, backend: Backend, gate: FlowController, request: GenerateRequest) -> None:
         self._backend = backend
         self._gate = gate
         self._request = request
@@ -60,11 +62,16 @@ class _AdmittedEvents:
     async def _first(self) -> Event:
         if self._closed:
             raise StopAsyncIteration
-        trace = self._request.trace
-        if trace is None:
-            await self._gate.acquire()
-        else:
-            await _acquire_traced(self._gate, trace)
+        request = self._request
+        admission = self._gate.admission_of(request)
+        try:
+            if request.trace is None:
+                await self._gate.acquire(request, admission)
+            else:
+                await _acquire_traced(self._gate, request, admission, request.trace)
+        finally:
+            if request.log is not None:
+                request.log.update(admission.log_fields())
         self._started = time.monotonic()
         events = self._events = self._backend.generate(self._request)
         return await events.__anext__()
@@ -88,21 +95,42 @@ class _AdmittedEvents:
             self._gate.release(time.monotonic() - started)
 
 
-async def _acquire_traced(gate: AdmissionGate, trace: CallTrace) -> None:
-    """``gate.acquire()``, recorded in the call's trace as ``gateway.admission`` (its length: the queue wait)."""
+async def _acquire_traced(
+    gate: FlowController, request: GenerateRequest, admission: Admission, trace: CallTrace
+) -> None:
+    """``gate.acquire()``, recorded in the call's trace as ``gateway.admission`` (its length: the queue wait), with
+    the numbers of the request's log line."""
     attributes: dict[str, TraceValue] = {
         "gateway.admission.in_flight": gate.in_flight,  # at arrival
         "gateway.admission.queued": gate.queued,
     }
     with traced_stage(trace, "gateway.admission", attributes) as started:
-        await gate.acquire()
-        attributes["gen_ai.latency.time_in_queue"] = (time.time_ns() - started) / 1e9
+        try:
+            await gate.acquire(request, admission)
+        finally:
+            attributes["gen_ai.latency.time_in_queue"] = (time.time_ns() - started) / 1e9
+            for name, value in admission.log_fields().items():
+                attributes[f"gateway.admission.{name}"] = value
 
 
-def admitted(backend: Backend, config: object) -> Backend:
-    """The backend behind a gate if its config bounds in-flight requests (``max_in_flight``), else itself."""
+def admitted(
+    backend: Backend,
+    config: object,
+    *,
+    weights: Mapping[str, float] | None = None,
+    metrics: FlowMetrics | None = None,
+) -> Backend:
+    """The backend behind flow control if its config bounds in-flight requests (``max_in_flight``), else itself.
+    ``weights``: the API keys' shares by label (``api_keys[].weight``)."""
     limit = getattr(config, "max_in_flight", None)
     if limit is None:
         return backend
-    gate = AdmissionGate(backend.name, limit, getattr(config, "max_queue", 0), getattr(config, "queue_timeout", 30.0))
+    gate = FlowController(
+        backend.name,
+        limit,
+        tier_bounds(config),
+        fair=getattr(config, "flow_control", "fair") == "fair",
+        weights=weights,
+        metrics=metrics,
+    )
     return AdmittedBackend(backend, gate)

@@ -17,10 +17,14 @@ from backends.registry import BackendKindUnavailableError, build_backend
 from gateway import __version__
 from gateway.admission import admitted
 from gateway.anthropic.signatures import signer_for
-from gateway.auth import ApiKeyMiddleware
+from gateway.auth import ApiKeyMiddleware, key_label
+from gateway.batches import routes as batches
+from gateway.batches.runner import BatchRunner
+from gateway.batches.store import open_batch_store
 from gateway.bodies import JSONBodyParser
 from gateway.config import GatewayConfig
 from gateway.errors import install_error_handlers
+from gateway.flow_control import FlowMetrics, KeyTiers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
@@ -46,26 +50,33 @@ def create_app(
     *,
     serve_once_started: bool = False,
     budget_clock: Callable[[], float] | None = None,
+    batch_clock: Callable[[], float] = time.time,
 ) -> FastAPI:
     """Builds the app. Backends start in the background so ``/health`` answers at once and ``/ready`` tells
     when they are up (a DeepInfer engine can take minutes). With ``serve_once_started`` (one of several front-end
     processes on a shared socket) the app takes no connection before its backends have started, so a process
     that is still starting never takes requests its siblings could serve. ``budget_clock`` is the clock per-key
     budgets refill by, here and in the shared store (tests freeze it); by default this process's monotonic clock,
-    and the store's own clock for shared budgets."""
+    and the store's own clock for shared budgets. ``batch_clock`` is the wall clock of the Batch API (creation and
+    expiry times, file retention)."""
     start_errors: dict[str, str] = {}
+    metrics = GatewayMetrics()
+    server = config.server
+    key_tiers = KeyTiers([(key_label(key, i), key) for i, key in enumerate(server.client_keys())])
     if backends is None:
         built: dict[str, Backend] = {}
+        flow_metrics = FlowMetrics(metrics.registry)
         for backend_config in config.backends:
             try:
-                built[backend_config.name] = admitted(build_backend(backend_config), backend_config)
+                backend = build_backend(backend_config)
+                built[backend_config.name] = admitted(
+                    backend, backend_config, weights=key_tiers.weights, metrics=flow_metrics
+                )
             except BackendKindUnavailableError as exc:
                 start_errors[backend_config.name] = str(exc)
                 built[backend_config.name] = _UnavailableBackend(backend_config.name, backend_config.kind, str(exc))
         backends = built
-    metrics = GatewayMetrics()
     metrics.watch_backends(backends.values())
-    server = config.server
     store = SharedStateStore(server.state_store, clock=time.monotonic) if server.state_store else None
     if store is not None:
         metrics.watch_state_store(store)
@@ -80,6 +91,18 @@ def create_app(
         ),
         metrics.registry,
     )
+    batch_config = server.batches
+    batch_runner = (
+        BatchRunner(
+            open_batch_store(batch_config, store.client if store is not None else None),
+            batch_config,
+            model_exists=lambda name: _serves(config, name),
+            registry=metrics.registry,
+            clock=batch_clock,
+        )
+        if batch_config.enabled
+        else None
+    )
     state = GatewayState(
         config=config,
         backends=dict(backends),
@@ -87,10 +110,12 @@ def create_app(
         metrics=metrics,
         start_errors=start_errors,
         limits=key_limits,
+        key_tiers=key_tiers,
         store=store,
         responses=stored_responses,
         thinking_signer=signer_for(server.thinking_signature_key),
         tracing=tracing,
+        batches=batch_runner,
     )
     json_parser = JSONBodyParser(config.server.json_parse_processes)
 
@@ -103,9 +128,14 @@ def create_app(
         if config.server.gc_tuning:
             starting.add_done_callback(_freeze_gc)
         watching = asyncio.create_task(store.watch()) if store is not None else None
+        batching = asyncio.create_task(batch_runner.serve(app)) if batch_runner is not None else None
         try:
             yield
         finally:
+            if batching is not None and batch_runner is not None:
+                batching.cancel()  # its requests in flight are aborted and its leases given back
+                await asyncio.gather(batching, return_exceptions=True)
+                await batch_runner.store.close()
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             await key_limits.aclose()  # settlements under way reach the store
@@ -134,6 +164,7 @@ def create_app(
     app.include_router(tokenize.router)
     app.include_router(operations.router)
     app.include_router(admin.router)
+    app.include_router(batches.router)
     app.add_middleware(
         ApiKeyMiddleware,
         client_keys=config.server.client_keys(),
@@ -147,8 +178,14 @@ def create_app(
         draining=lambda: state.draining,
         metrics=metrics,
         tracing=tracing,
+        larger_bodies={batches.UPLOAD_PATH: batch_config.max_file_bytes + batches.MULTIPART_OVERHEAD},
     )
     return app
+
+
+def _serves(config: GatewayConfig, name: str) -> bool:
+    """Whether a model (or an alias of one) of that name is served: a batch line naming another fails validation."""
+    return any(name == model.name or name in model.aliases for model in config.models)
 
 
 def start_tracing(config: TracingConfig) -> Tracing | None:

@@ -8,12 +8,17 @@ without credentials. Only ``/health`` and ``/ready`` are always open, matched ex
 
 Keys are compared in constant time, never logged or echoed; the request's state carries only the key's label (for
 logs, metrics and budgets) and its owner (whose stored responses it may read).
+
+The Batch API runs its requests through the same app in process (``gateway.batches.inprocess``): such a request
+carries its batch's caller in the ASGI scope's extensions (``INTERNAL_CALLER``), which only code in this process can
+set (a client's headers and body never reach the scope's keys), and acts for that key at that service tier.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -28,8 +33,21 @@ ANONYMOUS = "anonymous"
 """The label of requests on a gateway without client keys (one tenant: everyone)."""
 SINGLE_OWNER = ""
 """The owner of everything stored on a gateway without client keys."""
+INTERNAL_CALLER = "deepinfer.internal_caller"
+"""Key in the ASGI scope's ``extensions`` of a request the gateway makes to itself (``InternalCaller``)."""
+TIER = "service_tier"
+"""Key in the request's state: the service tier its caller runs at, when not the route's default."""
 ADMIN_SCOPE = "admin"
 """Key in an open path's request state: True when the caller may see operator detail (``is_admin``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class InternalCaller:
+    """Who a request the gateway makes to itself acts for: the key's label and owner, and its service tier."""
+
+    label: str
+    owner: str
+    service_tier: str
 
 
 def _digest(key: str) -> bytes:
@@ -57,6 +75,12 @@ def request_label(request: Request) -> str:
 def request_owner(request: Request) -> str:
     """The tenant a request acts for: the owner of its key, or the single owner without client keys."""
     return getattr(request.state, "owner", None) or SINGLE_OWNER
+
+
+def request_service_tier(request: Request, default: str = "default") -> str:
+    """The service tier a request runs at: the Batch API's for its own requests, else ``default``."""
+    tier = getattr(request.state, TIER, None)
+    return tier if isinstance(tier, str) else default
 
 
 def is_admin_path(path: str) -> bool:
@@ -90,6 +114,13 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
+        internal = scope.get("extensions", {}).get(INTERNAL_CALLER)
+        if isinstance(internal, InternalCaller):  # set only by this process (gateway.batches.inprocess)
+            state = scope.setdefault("state", {})
+            state["api_key"] = internal.label if self._clients else None
+            state["owner"], state[TIER] = internal.owner, internal.service_tier
+            await self.app(scope, receive, send)
+            return
         if path in OPEN_PATHS:  # open, but only an admin sees their operator detail (``ADMIN_SCOPE``)
             scope.setdefault("state", {})[ADMIN_SCOPE] = self.is_admin(_presented_key(scope))
             await self.app(scope, receive, send)

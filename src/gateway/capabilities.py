@@ -6,6 +6,7 @@ capabilities by forwarding attributes. It names what it wraps (``inner``), and `
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast, runtime_checkable
 
 from backends.interface import Backend, FingerprintedBackend, conforms
@@ -65,6 +66,10 @@ class AdmissionCounters(Protocol):
 
     @property
     def rejected(self) -> int: ...
+
+    def depths(self) -> Iterator[tuple[str, str, int]]:
+        """(service tier, key label, waiting requests) for every pair with waiters."""
+        ...
 
 
 @runtime_checkable

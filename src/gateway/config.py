@@ -23,10 +23,18 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from backends.config import BackendConfig, ReferenceBackendConfig
+from gateway.batches.config import BatchesConfig
 from gateway.tracing_config import TracingConfig
 
 DEFAULT_MODEL_NAME = "deepinfer-reference"
 DEFAULT_BACKEND_NAME = "reference"
+
+
+ServiceTierName = Literal["priority", "default", "flex", "batch"]
+
+
+def _online_tiers() -> list[ServiceTierName]:
+    return ["priority", "default", "flex"]
 
 
 class ApiKeyConfig(BaseModel):
@@ -38,6 +46,25 @@ class ApiKeyConfig(BaseModel):
     name: str | None = Field(None, description="label for logs and metrics (the key itself is never logged)")
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
+    service_tiers: list[ServiceTierName] = Field(
+        default_factory=_online_tiers,
+        min_length=1,
+        description="service tiers the key may use; a request for another gets the key's default_service_tier",
+    )
+    default_service_tier: ServiceTierName | None = Field(
+        None,
+        description="the tier of requests that name none (or auto); unset: default if the key may use it, else "
+        "its best allowed tier",
+    )
+    weight: float = Field(1.0, gt=0, description="the key's share of a backend against other keys in one tier")
+
+    @model_validator(mode="after")
+    def _default_tier_is_allowed(self) -> ApiKeyConfig:
+        if self.default_service_tier is not None and self.default_service_tier not in self.service_tiers:
+            raise ValueError(
+                f"default_service_tier: {self.default_service_tier!r} is not among service_tiers {self.service_tiers}"
+            )
+        return self
 
 
 class ServerConfig(BaseModel):
@@ -155,6 +182,10 @@ class ServerConfig(BaseModel):
     workers: int = Field(
         1, ge=1, le=256, description="front-end processes serving one port (uvicorn workers); see README, Scale out"
     )
+    batches: BatchesConfig = Field(
+        default_factory=BatchesConfig,
+        description="the Batch API (/v1/files, /v1/batches): its store, limits and concurrency (README, Batch API)",
+    )
     tracing: TracingConfig = Field(
         default_factory=TracingConfig,
         description="OpenTelemetry traces over OTLP/HTTP; OTEL_* environment variables override it (README, Traces)",
@@ -177,6 +208,15 @@ class ServerConfig(BaseModel):
                 "responses_store: memory keeps responses in one process, and with server.workers > 1 a request "
                 "that continues one (previous_response_id) may reach another process: use sqlite (shared by the "
                 "processes of a host) or redis://..."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _batch_store_exists(self) -> ServerConfig:
+        if self.batches.store == "state_store" and (self.state_store is None or self.batches.files_dir is None):
+            raise ValueError(
+                "batches.store: state_store needs server.state_store (redis://...) and batches.files_dir (a folder "
+                "every replica mounts, for the files' contents)"
             )
         return self
 

@@ -11,8 +11,8 @@ first delta (``Delta.prompt_tokens``: the engine backends), else the estimate. A
 or that the backend refused before producing anything, gives its whole reservation back.
 
 With ``server.state_store`` the buckets live in Redis and are exact across processes and replicas; without it, or
-while the store is down, each of a host's N front-end processes allows 1/N of every budget. Admission bounds a
-backend's in-flight requests and keeps a bounded FIFO of waiters with a timeout: never an unbounded queue.
+while the store is down, each of a host's N front-end processes allows 1/N of every budget. Admission to a
+backend (a slot, and the order of those waiting for one) is ``gateway.flow_control``'s.
 
 The rules live here, away from any one API's routes: every API that generates (chat, completions, Responses, and
 any other) admits with ``admitted`` and hands the reservation to its ``RequestObserver``, whose end settles it.
@@ -21,7 +21,6 @@ any other) admits with ``admitted`` and hands the reservation to its ``RequestOb
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import math
@@ -31,7 +30,6 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter
 from starlette.requests import Request
 
-from backends.errors import OverloadedError
 from gateway.auth import key_label, request_label
 from gateway.budgets import BudgetStore, Clock, Draw, LocalBudgets, RedisBudgets, Take, bucket_key, seconds_until
 from gateway.config import ApiKeyConfig, ServerConfig
@@ -74,10 +72,11 @@ class Reservation:
 def tokens_used(reservation: Reservation, cost: RequestCost) -> int:
     """What a request is charged: its usage when the backend reported one; else the output it forwarded plus its
     prompt (exact when the backend said how long it was, as the engine backends do on their first delta, else the
-    estimate), if the backend worked on it (see ``CHARGED_WITHOUT_OUTPUT``); else nothing."""
+    estimate), if the backend worked on it (see ``CHARGED_WITHOUT_OUTPUT``; a request that admission shed, timed
+    out or lost while it waited for a slot never reached one); else nothing."""
     if cost.usage is not None:
         return cost.usage.prompt_tokens + cost.usage.completion_tokens
-    if not cost.output_started and cost.status not in CHARGED_WITHOUT_OUTPUT:
+    if not cost.output_started and (cost.status not in CHARGED_WITHOUT_OUTPUT or not cost.reached_backend):
         return 0
     return (cost.prompt_tokens or reservation.prompt_estimate) + cost.output_tokens
 
@@ -253,70 +252,3 @@ def _limits_of(key: ApiKeyConfig, server: ServerConfig) -> tuple[int | None, int
         key.requests_per_minute if key.requests_per_minute is not None else server.requests_per_minute,
         key.tokens_per_minute if key.tokens_per_minute is not None else server.tokens_per_minute,
     )
-
-
-class AdmissionGate:
-    """Bounds one backend's in-flight requests, with a bounded, timed FIFO of waiters."""
-
-    def __init__(self, name: str, max_in_flight: int | None, max_queue: int, queue_timeout: float) -> None:
-        self.name = name
-        self.max_in_flight = max_in_flight
-        self.max_queue = max_queue
-        self.queue_timeout = queue_timeout
-        self.in_flight = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._mean_service = 1.0  # seconds, exponentially weighted; feeds Retry-After
-        self.rejected = 0
-
-    @property
-    def queued(self) -> int:
-        return len(self._waiters)
-
-    def retry_after(self) -> float:
-        slots = self.max_in_flight or 1
-        return max(1.0, (len(self._waiters) + 1) * self._mean_service / slots)
-
-    async def acquire(self) -> None:
-        if self.max_in_flight is None or (self.in_flight < self.max_in_flight and not self._waiters):
-            self.in_flight += 1
-            return
-        if len(self._waiters) >= self.max_queue:
-            self.rejected += 1
-            raise OverloadedError(
-                f"backend {self.name!r} is saturated ({self.in_flight} in flight, {len(self._waiters)} queued)",
-                retry_after=self.retry_after(),
-                code="backend_saturated",
-            )
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout)
-        except TimeoutError:
-            if waiter.done() and not waiter.cancelled():
-                return  # the slot arrived just as the wait ran out: keep it
-            waiter.cancel()
-            self.rejected += 1
-            raise OverloadedError(
-                f"backend {self.name!r} stayed saturated for {self.queue_timeout:.0f} s",
-                retry_after=self.retry_after(),
-                code="backend_saturated",
-            ) from None
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():
-                self.release(0.0)  # we were handed a slot but are going away: pass it on
-            else:
-                waiter.cancel()
-            raise
-        finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-
-    def release(self, service_seconds: float) -> None:
-        if service_seconds > 0:
-            self._mean_service = 0.9 * self._mean_service + 0.1 * service_seconds
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes straight to the next waiter
-                return
-        self.in_flight -= 1

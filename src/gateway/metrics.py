@@ -249,6 +249,8 @@ class RequestCost(NamedTuple):
     output_started: bool
     prompt_tokens: int = 0
     """Prompt tokens the backend said it processed (``Delta.prompt_tokens``); 0 when it did not say."""
+    reached_backend: bool = True
+    """False when admission never handed the request to a backend (shed, timed out or left while queued)."""
 
 
 class RequestObserver:
@@ -309,7 +311,15 @@ class RequestObserver:
         self.prompt_tokens += prompt_tokens
 
     def cost(self, status: int, usage: Usage | None) -> RequestCost:
-        return RequestCost(status, usage, self.output_tokens, self.first_token_at is not None, self.prompt_tokens)
+        admission = self.log.get("admission")
+        return RequestCost(
+            status,
+            usage,
+            self.output_tokens,
+            self.first_token_at is not None,
+            self.prompt_tokens,
+            reached_backend=admission is None or admission == "admitted",
+        )
 
     def finish(self, status: int, usage: Usage | None = None, code: str | None = None) -> None:
         if self._done:
@@ -347,6 +357,10 @@ class RequestObserver:
                 series.tpot.observe((now - self.first_token_at) / (completion_tokens - 1))
 
 
+KV_CACHE_SAMPLE = "engine_kv_cache_usage_ratio"
+"""The engine statistic (``metric_samples``) exported again as the inference extension's KV utilization."""
+
+
 class _BackendCollector(Collector):
     """Reads engine-driver counters at scrape time instead of updating metrics on the engine thread."""
 
@@ -378,12 +392,39 @@ class _BackendCollector(Collector):
         rejected = CounterMetricFamily(
             "gateway_admission_rejected", "Requests refused with 503 (queue full or wait too long).", labels=["backend"]
         )
+        depth = GaugeMetricFamily(
+            "gateway_admission_queue_depth",
+            "Requests waiting for a slot, by service tier and API key.",
+            labels=["backend", "tier", "key"],
+        )
+        # The names of the Gateway API Inference Extension's model-server protocol (vLLM's), for an endpoint
+        # picker or KEDA: README, Flow control.
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting for a slot (TotalQueuedRequests).", labels=["backend"]
+        )
+        running_slots = GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests holding a slot (TotalRunningRequests).", labels=["backend"]
+        )
+        kv_usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use, 1 = full (KVCacheUtilization).",
+            labels=["backend"],
+        )
         for backend in self._backends:
             if isinstance(backend, GatedBackend):
                 gate = backend.gate
                 admitted.add_metric([backend.name], gate.in_flight)
                 queued.add_metric([backend.name], gate.queued)
                 rejected.add_metric([backend.name], gate.rejected)
+                waiting.add_metric([backend.name], gate.queued)
+                running_slots.add_metric([backend.name], gate.in_flight)
+                for tier, key, count in gate.depths():
+                    depth.add_metric([backend.name, tier, key], count)
+            sampled = capability(backend, MetricSamplesBackend)
+            if sampled is not None:
+                for name, _, _, value in sampled.metric_samples():
+                    if name == KV_CACHE_SAMPLE:
+                        kv_usage.add_metric([backend.name], value)
             ready.add_metric([backend.name], 1.0 if backend.readiness()[0] else 0.0)
             driven = capability(backend, DrivenBackend)
             if driven is not None:
@@ -395,7 +436,8 @@ class _BackendCollector(Collector):
                 busy.add_metric([backend.name], stats.busy_seconds)
                 inside.add_metric([backend.name], stats.engine_seconds)
                 running.add_metric([backend.name], driver.in_flight)
-        yield from (ready, steps, tokens, busy, inside, paced, running, admitted, queued, rejected)
+        yield from (ready, steps, tokens, busy, inside, paced, running, admitted, queued, rejected, depth)
+        yield from (waiting, running_slots, kv_usage)
         yield from self._engine_samples()
         yield from self._backend_families()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -50,8 +50,12 @@ class RequestContextMiddleware:
         draining: Callable[[], bool] = lambda: False,
         metrics: GatewayMetrics | None = None,
         tracing: Tracing | None = None,
+        larger_bodies: Mapping[str, int] | None = None,
     ) -> None:
+        """``larger_bodies``: paths whose bodies may be larger than ``max_body_bytes``, and their own limits (the
+        Batch API's file uploads)."""
         self.app = app
+        self.larger_bodies = dict(larger_bodies or {})
         self.metrics = metrics
         self.tracing = tracing
         self.max_body_bytes = max_body_bytes
@@ -89,7 +93,7 @@ class RequestContextMiddleware:
                 message["headers"] = [*message.get("headers", []), header]
             await send(message)
 
-        limit = self.max_body_bytes
+        limit = self.larger_bodies.get(scope["path"], self.max_body_bytes)
         left_mid_body = False
         try:
             if self.draining() and scope["path"].startswith(("/v1/", "/beta/")) and scope["method"] == "POST":

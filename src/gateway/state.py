@@ -11,6 +11,7 @@ from starlette.requests import Request
 from backends.interface import Backend
 from gateway.anthropic.signatures import ThinkingSigner
 from gateway.config import GatewayConfig
+from gateway.flow_control import KeyTiers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.responses.store import StoredResponses
@@ -18,6 +19,7 @@ from gateway.router import ModelRouter
 from gateway.state_store import SharedStateStore
 
 if TYPE_CHECKING:
+    from gateway.batches.runner import BatchRunner
     from gateway.tracing import Tracing
 
 
@@ -30,6 +32,8 @@ class GatewayState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     start_errors: dict[str, str] = field(default_factory=dict)
     limits: KeyLimits | None = None
+    key_tiers: KeyTiers = field(default_factory=lambda: KeyTiers([]))
+    """Each API key's service tiers, default tier and weight (``server.api_keys``)."""
     responses: StoredResponses | None = None
     """Stored Responses API responses (``server.responses_store``)."""
     store: SharedStateStore | None = None
@@ -40,6 +44,8 @@ class GatewayState:
     """Signs and checks the thinking blocks of ``/v1/messages`` (``server.thinking_signature_key``)."""
     tracing: Tracing | None = None
     """OpenTelemetry traces (``server.tracing``), when they are on."""
+    batches: BatchRunner | None = None
+    """The Batch API's store and runner (``server.batches``), when it is on."""
     draining: bool = False
     """Set on SIGTERM: /ready turns 503 and new generation requests are refused while in-flight ones finish."""
 

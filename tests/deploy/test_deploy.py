@@ -227,6 +227,18 @@ def test_lmdeploy_config_reaches_two_api_server_nodes() -> None:
     assert len(backend.urls) == 2
 
 
+def test_lmdeploy_proxy_config_compares_a_proxied_lmdeploy_with_the_reference_engine() -> None:
+    config = load_config(CONFIG_DIR / "lmdeploy-proxy.yaml")
+    kinds = {backend.name: backend for backend in config.backends}
+    proxy = kinds["lmdeploy-proxy"]
+    assert proxy.kind == "lmdeploy" and proxy.node_kind == "proxy" and len(proxy.urls) == 1
+    assert kinds["reference"].kind == "reference"
+    models = {model.name: model for model in config.models}
+    shadow = models["deepinfer-reference"].shadow
+    assert shadow is not None and shadow.backend == "lmdeploy-proxy"
+    assert models["lmdeploy"].fallbacks == ["reference"]
+
+
 def test_configmap_config_validates_and_is_the_reference_config(tmp_path: Path) -> None:
     path = configmap_config(tmp_path)
     config = load_config(path)

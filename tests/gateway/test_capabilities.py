@@ -17,7 +17,7 @@ from backends.interface import (
 )
 from gateway.admission import AdmittedBackend
 from gateway.capabilities import GatedBackend, capability, system_fingerprint, unwrapped
-from gateway.limits import AdmissionGate
+from gateway.flow_control import FlowController, tier_bounds
 
 
 class PlainBackend:
@@ -62,7 +62,7 @@ class TokenizingFingerprintedBackend(PlainBackend):
 
 
 def _admitted(backend: Backend) -> AdmittedBackend:
-    return AdmittedBackend(backend, AdmissionGate(backend.name, 1, 0, 1.0))
+    return AdmittedBackend(backend, FlowController(backend.name, 1, tier_bounds(None)))
 
 
 def test_an_admitted_backend_does_not_pass_for_its_backends_tokenizer() -> None:

@@ -48,6 +48,15 @@ def test_environment_overrides_the_file_and_flags_override_both(
             "backends:\n  - {name: a, kind: reference}\nmodels:\n  - {name: m, backends: [a], aliases: ['']}\n",
             "aliases[0]",
         ),
+        (
+            "server:\n  api_keys:\n    - {key: sk-0123456789, service_tiers: [flex], default_service_tier: priority}\n",
+            "default_service_tier: 'priority' is not among service_tiers ['flex']",
+        ),
+        (
+            "backends:\n  - {name: a, kind: reference, tiers: {gold: {max_queue: 1}}}\nmodels:\n"
+            "  - {name: m, backends: [a]}\n",
+            "backends[0].tiers.gold",
+        ),
         ("- just\n- a list\n", "top level must be a mapping"),
         ("server: {port: [\n", "not valid YAML"),
     ],

@@ -24,6 +24,7 @@ def chat_chunk(fingerprint: str, choices: list[dict]) -> dict:
         "object": "chat.completion.chunk",
         "created": 1700000000,
         "model": 'm"odel',
+        "service_tier": "flex",
         "system_fingerprint": fingerprint,
         "choices": choices,
     }
@@ -31,7 +32,7 @@ def chat_chunk(fingerprint: str, choices: list[dict]) -> dict:
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_chat_text_frames_are_openai_chunks(text: str) -> None:
-    fmt = ChatFormat("chatcmpl-1", 1700000000, 'm"odel', "fp_a", 12)
+    fmt = ChatFormat("chatcmpl-1", 1700000000, 'm"odel', "fp_a", 12, "flex")
     first = parse(fmt.frame(Delta(11, "hi")))
     assert first == chat_chunk(
         "fp_a",
@@ -61,11 +62,13 @@ def test_chat_text_frames_are_openai_chunks(text: str) -> None:
 
 
 def test_chat_frames_follow_a_fingerprint_change() -> None:
-    fmt = ChatFormat("chatcmpl-1", 1700000000, 'm"odel', "fp_a", 1)
+    fmt = ChatFormat("chatcmpl-1", 1700000000, 'm"odel', "fp_a", 1, "priority")
     fmt.frame(Delta(0, "a"))
     fmt.fingerprint = "fp_b"
-    assert parse(fmt.frame(Delta(0, "b")))["system_fingerprint"] == "fp_b"
-    assert fmt.response(None, False)["system_fingerprint"] == "fp_b"
+    frame = parse(fmt.frame(Delta(0, "b")))
+    assert (frame["system_fingerprint"], frame["service_tier"]) == ("fp_b", "priority")
+    response = fmt.response(None, False)
+    assert (response["system_fingerprint"], response["service_tier"]) == ("fp_b", "priority")
 
 
 def test_chat_frames_with_more_than_text_keep_their_fields() -> None:
@@ -95,12 +98,13 @@ def test_chat_frames_with_more_than_text_keep_their_fields() -> None:
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_completion_text_frames_are_openai_chunks(text: str) -> None:
-    fmt = CompletionFormat("cmpl-1", 1700000000, "m", "fp_a", 12)
+    fmt = CompletionFormat("cmpl-1", 1700000000, "m", "fp_a", 12, "priority")
     head = {
         "id": "cmpl-1",
         "object": "text_completion",
         "created": 1700000000,
         "model": "m",
+        "service_tier": "priority",
         "system_fingerprint": "fp_a",
     }
     assert parse(fmt.frame(Delta(10, text))) == {

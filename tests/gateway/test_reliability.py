@@ -19,7 +19,7 @@ from backends.interface import GenerateRequest, SamplingOptions, ToolCallDelta
 from backends.reference.engine import ReferenceEngine, ReferenceEngineArgs
 from gateway.admission import AdmittedBackend
 from gateway.config import GatewayConfig
-from gateway.limits import AdmissionGate
+from gateway.flow_control import FlowController, tier_bounds
 
 from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway, wait_until
 from ..processes import free_port
@@ -259,6 +259,14 @@ class FaultyParser:
     def called(self) -> bool:
         return self._inner.called
 
+    @property
+    def matched_stop(self) -> str | None:
+        return self._inner.matched_stop
+
+    @property
+    def drops_leading_newlines(self) -> bool:
+        return self._inner.drops_leading_newlines
+
     def push(self, text: str) -> tuple[str, str, Sequence[ToolCallDelta]]:
         self._pushes += 1
         if self._pushes == 3:
@@ -276,7 +284,7 @@ class FaultyTemplate(DeepSeekV41ChatTemplate):
         prompt = super().render(request, tokenizer)
         inner = prompt.parser
         assert inner is not None
-        return prompt._replace(parser=lambda: FaultyParser(inner()))
+        return prompt._replace(parser=lambda *, stops: FaultyParser(inner(stops=stops)))
 
 
 def test_any_failure_after_the_first_frame_ends_the_stream_with_an_error_frame_and_done() -> None:
@@ -313,7 +321,7 @@ async def test_an_admitted_request_aborts_its_engine_work_before_it_frees_its_sl
     await backend.start()
     try:
         seen: list[int] = []
-        gate = AdmissionGate("reference", 4, 0, 1.0)
+        gate = FlowController("reference", 4, tier_bounds(None))
         release = gate.release
 
         def recording_release(seconds: float) -> None:  # what the engine driver still holds when the slot frees

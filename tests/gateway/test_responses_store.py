@@ -213,6 +213,10 @@ async def test_a_write_failure_is_counted_and_never_raised() -> None:
 
 
 def test_store_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEEPINFER_GATEWAY_STATE", str(tmp_path / "state"))
+    default = open_response_store("sqlite", max_age=None)
+    assert isinstance(default, SQLiteResponseStore) and default.path == tmp_path / "state" / "responses.sqlite3"
+    monkeypatch.delenv("DEEPINFER_GATEWAY_STATE")
     monkeypatch.setenv("DEEPINFER_GATEWAY_CACHE", str(tmp_path))
     default = open_response_store("sqlite", max_age=None)
     assert isinstance(default, SQLiteResponseStore) and default.path == tmp_path / "responses.sqlite3"

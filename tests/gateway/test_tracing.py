@@ -171,6 +171,10 @@ def test_a_request_with_the_callers_traceparent_is_one_trace_below_the_callers_s
     admission, prepare = children(spans, call)
     assert admission.name == "gateway.admission"
     assert admission.attributes["gen_ai.latency.time_in_queue"] >= 0
+    # The numbers of the request's log line (README, Flow control): its tier, fate and wait.
+    assert admission.attributes["gateway.admission.service_tier"] == "default"
+    assert admission.attributes["gateway.admission.admission"] == "admitted"
+    assert admission.attributes["gateway.admission.queue_ahead"] == 0
     assert prepare.name == "engine.prepare_prompt"
     assert prepare.attributes["gateway.prompt.tokens"] == usage.prompt_tokens
     parts = ("queue", "render", "tokenize", "compile")
@@ -289,7 +293,8 @@ def test_a_fallback_and_a_shadow_are_backend_calls_of_the_request_trace(
     assert refused.attributes["gateway.backend"] == "busy" and refused.error
     assert refused.attributes["error.type"] == "backend_saturated"
     assert refused.attributes["gateway.route.fallback"] == "spare"
-    assert only(children(spans, refused), "gateway.admission").error
+    refusal = only(children(spans, refused), "gateway.admission")
+    assert refusal.error and refusal.attributes["gateway.admission.admission"] == "queue_full"
     assert rescued.attributes["gateway.backend"] == "spare"
     assert rescued.attributes["gateway.route.via"] == "fallback" and not rescued.error
 

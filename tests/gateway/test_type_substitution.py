@@ -10,6 +10,7 @@ connection (as a 500 once did) fails the next request too.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from pydantic import BaseModel
 
 from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
+from gateway.batches.routes import CreateBatchRequest
 from gateway.config import GatewayConfig
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses.protocol import CreateResponseRequest
@@ -178,6 +180,14 @@ BASES: dict[str, list[dict[str, Any]]] = {
         {"model": MODEL, "prompt": "Hi", "add_special_tokens": True},
     ],
     "/detokenize": [{"model": MODEL, "tokens": [5, 6, 7]}],
+    "/v1/batches": [
+        {
+            "input_file_id": "",  # the fixture's uploaded file (BATCH_FILE)
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "metadata": {"k": "v"},
+        }
+    ],
 }
 
 
@@ -189,6 +199,7 @@ MINIMAL: dict[str, dict[str, Any]] = {
     "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
     "/tokenize": {"model": MODEL, "prompt": "Hi"},
     "/detokenize": {"model": MODEL, "tokens": [5]},
+    "/v1/batches": BASES["/v1/batches"][0],
 }
 """The smallest valid body of each route, for the fields no base body sets."""
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
@@ -199,6 +210,7 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/batches": CreateBatchRequest,
 }
 """Each route's request model: every field it declares, set or not in the base bodies, gets every JSON type."""
 
@@ -281,6 +293,14 @@ def gateway() -> Iterator[RunningGateway]:
         models=[{"name": MODEL, "backends": ["reference"]}],
     )
     running = start_gateway(config)
+    line = {"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", "body": MINIMAL["/v1/chat/completions"]}
+    upload = httpx.post(
+        f"{running.base_url}/v1/files",
+        files={"file": ("batch.jsonl", json.dumps(line).encode())},
+        data={"purpose": "batch"},
+    )
+    assert upload.status_code == 200, upload.text
+    BASES["/v1/batches"][0]["input_file_id"] = upload.json()["id"]
     yield running
     stop_gateway(running)
 

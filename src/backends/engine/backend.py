@@ -166,7 +166,7 @@ class EngineBackend:
                 table.new_detokenizer(),
                 sampling.stop,
                 sampling.logprobs,
-                make_parser() if make_parser is not None else None,
+                make_parser(stops=sampling.stop) if make_parser is not None else None,
                 reasoning_end,
             )
             for index in range(request.n)

@@ -23,6 +23,8 @@ class Choice:
         "_logprobs",
         "_parser",
         "_reasoning_end",
+        "_reasoning_open",
+        "_reasoning_unstarted",
         "_reported",
         "_stop",
         "_table",
@@ -45,10 +47,12 @@ class Choice:
         self.index = index
         self._table = table
         self._detok = detok
-        self._stop = StopMatcher(stops) if stops else None
+        self._stop = StopMatcher(stops) if stops and parser is None else None  # else the parser matches them
         self._logprobs = logprobs
         self._parser = parser
         self._reasoning_end = reasoning_end
+        self._reasoning_open = parser is not None and parser.in_reasoning  # tokens count as reasoning until </think>
+        self._reasoning_unstarted = parser is not None and parser.drops_leading_newlines  # newlines first: not counted
         self.tokens = 0
         self._reported = 0  # tokens the deltas so far accounted for
         self.reasoning_tokens = 0
@@ -57,6 +61,8 @@ class Choice:
     @property
     def matched_stop(self) -> str | None:
         """The stop string that ended the choice, if one did."""
+        if self._parser is not None:
+            return self._parser.matched_stop
         return self._stop.matched if self._stop is not None else None
 
     def consume(self, outputs: Sequence[EngineOutput]) -> tuple[Delta | None, str | None]:
@@ -103,8 +109,10 @@ class Choice:
         """Split the step's text into reasoning, content and tool calls (the model family's parser)."""
         parser = self._parser
         assert parser is not None
-        was_reasoning = parser.in_reasoning
+        was_reasoning = self._reasoning_open if self._reasoning_end is not None else parser.in_reasoning
         reasoning, content, calls = parser.push(text)
+        if parser.matched_stop is not None:
+            finish = "stop"
         if finish is not None:
             more_reasoning, more_content, more_calls = parser.finish()
             reasoning += more_reasoning
@@ -113,20 +121,30 @@ class Choice:
             if finish == "stop" and parser.called:
                 finish = "tool_calls"
         if was_reasoning and real:
-            self.reasoning_tokens += self._count_reasoning(real, still=parser.in_reasoning and finish is None)
+            self.reasoning_tokens += self._count_reasoning(real)
         if not (reasoning or content or calls) and logprobs is None:
             return None, finish
         return Delta(self.index, content, logprobs, reasoning, calls or None, self._report()), finish
 
-    def _count_reasoning(self, outputs: Sequence[EngineOutput], *, still: bool) -> int:
-        """Tokens of this step spent reasoning: all of them, or those up to and including the closing tag."""
-        if still:
-            return len(outputs)
+    def _count_reasoning(self, outputs: Sequence[EngineOutput]) -> int:
+        """Tokens of this step spent reasoning, counted as DeepSeek counts them: every token before the one that
+        closes the reasoning (a tool call written inside it included), but the newlines a new reasoning starts
+        with. Without a one-token ``</think>``, the tokens of the steps the parser spent reasoning."""
         end = self._reasoning_end
-        for position, output in enumerate(outputs):
-            if output.token_id == end:
-                return position + 1
-        return len(outputs)
+        if end is None:
+            return len(outputs)
+        bytes_of, count = self._table.bytes_of, 0
+        for output in outputs:
+            token = output.token_id
+            if token == end:
+                self._reasoning_open = False
+                break
+            if self._reasoning_unstarted:
+                if not bytes_of[token].strip(b"\n"):
+                    continue
+                self._reasoning_unstarted = False
+            count += 1
+        return count
 
     def _format_logprobs(self, outputs: Sequence[EngineOutput]) -> list[TokenLogprob]:
         text_of, bytes_of = self._table.text_of, self._table.raw_bytes_of

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -44,7 +44,11 @@ TRIM_AFTER_CHARS = 1 << 20
 
 
 class OutputParser(Protocol):
-    """The model family's parser of one choice's text into reasoning, content and tool calls, fed per step."""
+    """The model family's parser of one choice's text into reasoning, content and tool calls, fed per step.
+
+    It also matches the request's stop sequences, where the model family says they apply (DeepSeek: in the answer
+    only); ``matched_stop`` says when one ended the choice.
+    """
 
     @property
     def in_reasoning(self) -> bool: ...
@@ -52,16 +56,30 @@ class OutputParser(Protocol):
     @property
     def called(self) -> bool: ...
 
+    @property
+    def matched_stop(self) -> str | None: ...
+
+    @property
+    def drops_leading_newlines(self) -> bool:
+        """Whether the reply starts a new channel whose leading newlines are dropped (and not counted)."""
+        ...
+
     def push(self, text: str) -> tuple[str, str, Sequence[ToolCallDelta]]: ...
 
     def finish(self) -> tuple[str, str, Sequence[ToolCallDelta]]: ...
+
+
+class OutputParserFactory(Protocol):
+    """Makes one choice's ``OutputParser``, given the request's stop sequences."""
+
+    def __call__(self, *, stops: Sequence[str]) -> OutputParser: ...
 
 
 class ChatPrompt(NamedTuple):
     """A rendered chat request: prompt text plus what decoding and output parsing need for it."""
 
     text: str
-    parser: Callable[[], OutputParser] | None = None  # one parser per choice
+    parser: OutputParserFactory | None = None  # one parser per choice
     so_args: dict[str, Any] | None = None  # DeepInfer structured-output arguments
     so_param: str | None = None  # the request field that asked for constrained decoding, for error messages
     reasoning_end_token: int | None = None  # id of the token that closes reasoning, to count reasoning tokens

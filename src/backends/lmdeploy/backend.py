@@ -55,6 +55,7 @@ class LMDeployBackend:
         self.pool = NodePool(
             [str(url).rstrip("/") for url in config.urls],
             model=config.model,
+            node_kind=config.node_kind,
             headers=self._auth,
             health_interval=config.health_interval,
             health_timeout=config.health_timeout,

@@ -36,6 +36,11 @@ def node_metric_families(backend: str, pool: NodePool, connections_created: int)
         labels=labels,
     )
     duration = SummaryMetricFamily("gateway_lmdeploy_node_request_seconds", "Upstream request duration.", labels=labels)
+    behind = GaugeMetricFamily(
+        "gateway_lmdeploy_proxy_nodes",
+        "Nodes an LMDeploy proxy listed for the model at its last probe, by role (Hybrid, Prefill, Decode).",
+        labels=[*labels, "role"],
+    )
     connections = CounterMetricFamily(
         "gateway_lmdeploy_connections_created",
         "TCP connections the backend's pooled client opened (keep-alive reuse keeps this flat).",
@@ -52,5 +57,9 @@ def node_metric_families(backend: str, pool: NodePool, connections_created: int)
             errors.add_metric([*values, kind], count)
         first_byte.add_metric(values, count_value=node.first_byte_count, sum_value=node.first_byte_seconds)
         duration.add_metric(values, count_value=node.request_count, sum_value=node.request_seconds)
+        if node.proxy_view is not None:
+            view = node.proxy_view
+            for role, count in (("Hybrid", view.hybrid), ("Prefill", view.prefill), ("Decode", view.decode)):
+                behind.add_metric([*values, role], count)
     connections.add_metric([backend], connections_created)
-    return [healthy, in_flight, requests, errors, retries, probes, first_byte, duration, connections]
+    return [healthy, in_flight, requests, errors, retries, probes, first_byte, duration, behind, connections]

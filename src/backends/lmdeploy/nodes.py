@@ -6,6 +6,9 @@ other OpenAI-compatible servers answer 200 with another body, e.g. ``{"status": 
 LMDeploy caches the status for about 12 s, so an engine failure may show late, a dead process at once. Between
 probes, requests count failures: a refused connection takes the node out at once, ``failure_threshold``
 consecutive failures of other kinds too. A node that is out comes back at its next good probe.
+
+A url may be an LMDeploy proxy instead (``node_kind: proxy``, or ``auto``: its ``/health`` is 404 and its
+``/nodes/status`` answers). Its health is its own view of its nodes plus ``/v1/models`` (see ``proxy.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from backends.lmdeploy.proxy import ProxyView, proxy_view
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,6 +32,8 @@ class Node:
     """One api_server node and its counters (read by the metrics collector at scrape time)."""
 
     url: str
+    kind: str = "auto"  # "api_server" or "proxy" (lmdeploy serve proxy); "auto" until the first probe tells
+    proxy_view: ProxyView | None = None  # a proxy's nodes for the model, as its last /nodes/status listed them
     healthy: bool = False
     reason: str = "not probed yet"
     model: str | None = None  # served model name, configured or discovered from /v1/models
@@ -54,6 +61,7 @@ class NodePool:
         urls: Iterable[str],
         *,
         model: str | None,
+        node_kind: str = "auto",
         headers: dict[str, str],
         health_interval: float,
         health_timeout: float,
@@ -63,6 +71,7 @@ class NodePool:
         self.nodes = [Node(url) for url in urls]
         for node in self.nodes:
             node.model = model
+            node.kind = node_kind
         self._discover = model is None
         self._headers = headers
         self._interval = health_interval
@@ -139,8 +148,16 @@ class NodePool:
         assert self._session is not None
         node.last_probe = time.time()
         try:
+            if node.kind == "proxy":
+                await self._probe_proxy(node)
+                return
             async with self._session.get(f"{node.url}/health", timeout=self._probe_timeout) as response:
                 body = await response.read()
+            if response.status == 404 and node.kind == "auto" and await self._is_proxy(node):
+                logger.info("lmdeploy node %s of %s is an LMDeploy proxy", node.url, self._backend)
+                node.kind = "proxy"
+                await self._probe_proxy(node)
+                return
             status = _health_status(body)
             if response.status != 200 or status == "sleeping":
                 self._mark_out(node, f"/health answered HTTP {response.status} {status or body[:100]!r}")
@@ -153,11 +170,57 @@ class NodePool:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             self._mark_out(node, f"unreachable: {type(exc).__name__}: {exc}".rstrip(": "))
             return
+        if node.kind == "auto":
+            node.kind = "api_server"
+        self._mark_in(node, "healthy")
+
+    def _mark_in(self, node: Node, reason: str) -> None:
         if not node.healthy:
-            logger.info("lmdeploy node %s of %s is healthy (model %s)", node.url, self._backend, node.model)
+            logger.info("lmdeploy node %s of %s is healthy (model %s): %s", node.url, self._backend, node.model, reason)
         node.healthy = True
-        node.reason = "healthy"
+        node.reason = reason
         node.consecutive_failures = 0
+
+    async def _is_proxy(self, node: Node) -> bool:
+        """Whether a url without ``/health`` is an LMDeploy proxy: its ``/nodes/status`` answers with an object."""
+        assert self._session is not None
+        async with self._session.get(f"{node.url}/nodes/status", timeout=self._probe_timeout) as response:
+            if response.status != 200:
+                return False
+            body = await response.read()
+        try:
+            return isinstance(orjson.loads(body), dict)
+        except orjson.JSONDecodeError:
+            return False
+
+    async def _probe_proxy(self, node: Node) -> None:
+        """A proxy is healthy while its own view of its nodes can serve the model (``/nodes/status``) and it
+        answers ``/v1/models`` with the gateway's key, listing that model (see ``proxy.py``)."""
+        assert self._session is not None
+        node.proxy_view = None
+        async with self._session.get(f"{node.url}/nodes/status", timeout=self._probe_timeout) as response:
+            body = await response.read()
+        if response.status != 200:
+            self._mark_out(node, f"proxy /nodes/status answered HTTP {response.status} {body[:100]!r}")
+            return
+        try:
+            listed = await self._discover_model(node, node.model)
+        except aiohttp.ClientResponseError as exc:
+            self._mark_out(node, f"proxy /v1/models answered HTTP {exc.status}")
+            return
+        if self._discover and node.model is None:
+            node.model = listed
+        try:
+            view = proxy_view(orjson.loads(body), node.model)
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            self._mark_out(node, f"proxy /nodes/status unreadable: {exc}")
+            return
+        node.proxy_view = view
+        reason = view.describe(node.model)
+        if not view.serving or listed is None:
+            self._mark_out(node, reason)
+            return
+        self._mark_in(node, reason)
 
     def _mark_out(self, node: Node, reason: str) -> None:
         node.probes_failed += 1
@@ -166,7 +229,8 @@ class NodePool:
         node.healthy = False
         node.reason = reason
 
-    async def _discover_model(self, node: Node) -> str | None:
+    async def _discover_model(self, node: Node, wanted: str | None = None) -> str | None:
+        """The model ``/v1/models`` lists (``wanted`` if given and listed, else the first; None if not listed)."""
         assert self._session is not None
         async with self._session.get(
             f"{node.url}/v1/models", headers=self._headers, timeout=self._probe_timeout
@@ -176,8 +240,10 @@ class NodePool:
                     response.request_info, (), status=response.status, message="GET /v1/models failed"
                 )
             listing = orjson.loads(await response.read())
-        data = listing.get("data") or []
-        return data[0].get("id") if data else None
+        ids = [entry.get("id") for entry in listing.get("data") or () if isinstance(entry, dict)]
+        if wanted is not None:
+            return wanted if wanted in ids else None
+        return ids[0] if ids else None
 
 
 def _health_status(body: bytes) -> str | None:

@@ -18,6 +18,7 @@ from backends.engine.stop import StopMatcher
 from backends.errors import UnavailableError, UpstreamError
 from backends.interface import Delta, Finish, TokenLogprob, ToolCallDelta, TopLogprob
 from backends.lmdeploy.errors import UpstreamFailure, failure_from_frame, node_failure
+from backends.lmdeploy.proxy import failure_from_proxy_code
 
 DONE = b"[DONE]"
 
@@ -32,6 +33,8 @@ MAX_EVENT_BYTES = 4 * 1024 * 1024
 
 class SSEReader:
     """Splits a body into the payloads of its ``data:`` lines, one per event; comments and blank events skipped.
+    A line that is a JSON object outside any ``data:`` line (LMDeploy's proxy writes its errors so) is a payload
+    of its own; the extra blank line the proxy writes after each event is dropped.
 
     The unfinished event waits in one buffer that only grows by what arrives (each byte is scanned for the event
     boundary once) and never beyond ``max_event_bytes``: a node that sends more without ending an event fails
@@ -98,14 +101,21 @@ class SSEReader:
             )
 
     def _event(self, event: bytes) -> None:
+        if event[:1] == b"\n":  # LMDeploy's proxy ends every event with one more blank line
+            event = event.lstrip(b"\n")
         if event.startswith(b"data:") and b"\n" not in event:  # the usual case: one data line
             self._payloads.append(event[6:] if event[5:6] == b" " else event[5:])
             return
-        lines = [
-            line[6:] if line[5:6] == b" " else line[5:] for line in event.split(b"\n") if line.startswith(b"data:")
-        ]
+        lines = []
+        unframed = []
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                lines.append(line[6:] if line[5:6] == b" " else line[5:])
+            elif line.startswith(b"{"):  # a JSON line outside SSE: how LMDeploy's proxy sends its errors
+                unframed.append(line)
         if lines:
             self._payloads.append(b"\n".join(lines))
+        self._payloads.extend(unframed)
 
 
 def token_text(token: str, raw: Sequence[int], byte_level: bool) -> tuple[str, list[int]]:
@@ -201,6 +211,7 @@ class ChoiceStream:
         "byte_level",
         "cached_tokens",
         "chat",
+        "completions",
         "finish_reason",
         "finished",
         "index",
@@ -214,9 +225,20 @@ class ChoiceStream:
         "want_top",
     )
 
-    def __init__(self, index: int, *, chat: bool, stops: list[str], want_top: int, byte_level: bool, node: str) -> None:
+    def __init__(
+        self,
+        index: int,
+        *,
+        chat: bool,
+        stops: list[str],
+        want_top: int,
+        byte_level: bool,
+        node: str,
+        completions: bool = False,
+    ) -> None:
         self.index = index
         self.chat = chat
+        self.completions = completions  # /v1/completions chunks (through a proxy) rather than /generate's
         self.stop = StopMatcher(stops) if stops else None
         self.want_top = want_top
         self.byte_level = byte_level
@@ -242,8 +264,13 @@ class ChoiceStream:
             raise node_failure(message, kind="protocol")
         if "error" in chunk:
             raise failure_from_frame(chunk["error"], self.node)
+        if "error_code" in chunk:
+            raise failure_from_proxy_code(chunk["error_code"], chunk.get("text"), self.node)
         try:
-            parts = self._chat(chunk) if self.chat else self._generate(chunk)
+            if self.chat:
+                parts = self._chat(chunk)
+            else:
+                parts = self._completion(chunk) if self.completions else self._generate(chunk)
         except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:  # valid JSON, wrong shape
             message = f"LMDeploy node {self.node} sent a chunk of the wrong shape: {payload[:200]!r}"
             raise node_failure(message, kind="protocol") from exc
@@ -290,6 +317,19 @@ class ChoiceStream:
         elif text or reasoning or tool_calls:  # a node without return_token_ids: at least a token a chunk
             self.tokens += 1
         return _Parts(_text(text), _text(reasoning), tool_calls, logprobs, _reason(choice.get("finish_reason")))
+
+    def _completion(self, chunk: dict[str, Any]) -> _Parts | None:
+        usage = chunk.get("usage")
+        if usage:
+            self.usage = (_count(usage.get("prompt_tokens", 0)), _count(usage.get("completion_tokens", 0)))
+        choices = chunk.get("choices")
+        if not choices:
+            return None
+        choice = choices[0]
+        text = _text(choice.get("text") or "")
+        if text:  # no token ids in these chunks: at least a token a chunk, until the usage at the end
+            self.tokens += 1
+        return _Parts(text, "", None, None, _reason(choice.get("finish_reason")))
 
     def _generate(self, chunk: dict[str, Any]) -> _Parts:
         meta = chunk.get("meta_info") or {}

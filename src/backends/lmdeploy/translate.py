@@ -22,6 +22,7 @@ from backends.interface import GenerateRequest
 
 CHAT_PATH = "/v1/chat/completions"
 GENERATE_PATH = "/generate"
+COMPLETIONS_PATH = "/v1/completions"  # text prompts through an LMDeploy proxy, which has no /generate
 
 SUPPORTED_SAMPLING = frozenset({"min_tokens", "min_p", "repetition_penalty", "skip_special_tokens"})
 SUPPORTED_FEATURES = frozenset(
@@ -45,11 +46,29 @@ class UpstreamPlan:
 
     def body_for(self, index: int, model: str) -> dict[str, Any]:
         body = dict(self.body)
-        if self.chat:
+        if self.chat or self.completions:
             body["model"] = model
         if self.seed is not None:
             body["seed"] = self.seed + index
         return body
+
+    def via_proxy(self) -> UpstreamPlan:
+        """The plan for an LMDeploy proxy, which serves chat and ``/v1/completions`` but not ``/generate``: text
+        prompts go to ``/v1/completions`` (usage only at the end); token-id prompts cannot go at all."""
+        if self.chat:
+            return self
+        if "input_ids" in self.body:
+            raise InvalidRequestError(
+                "token-id prompts are not supported through an LMDeploy proxy (it does not serve /generate); "
+                "send the prompt as text",
+                param="prompt",
+            )
+        body = {**self.body, "stream_options": {"include_usage": True}}
+        return UpstreamPlan(COMPLETIONS_PATH, body, self.seed, False, 0)
+
+    @property
+    def completions(self) -> bool:
+        return self.path == COMPLETIONS_PATH
 
 
 def output_bound(request: GenerateRequest, max_model_len: int | None) -> int:

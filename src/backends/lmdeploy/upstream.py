@@ -17,6 +17,7 @@ from backends.errors import BackendTimeoutError
 from backends.interface import Delta, Finish, GenerateRequest
 from backends.lmdeploy.errors import UpstreamFailure, failure_from_status, node_failure
 from backends.lmdeploy.nodes import Node
+from backends.lmdeploy.proxy import proxy_lost_model
 from backends.lmdeploy.stream import DONE, ChoiceStream, SSEReader, coalesce
 from backends.lmdeploy.translate import UpstreamPlan
 
@@ -88,10 +89,13 @@ class UpstreamClient:
         session = self._session
         loop = asyncio.get_running_loop()
         upstream_model = model or node.model or ""
+        if node.kind == "proxy":
+            plan = plan.via_proxy()
         body = orjson.dumps(plan.body_for(index, upstream_model))
         stream = ChoiceStream(
             index,
             chat=plan.chat,
+            completions=plan.completions,
             stops=request.sampling.stop,
             want_top=plan.want_top_logprobs,
             byte_level=self._config.logprob_tokens == "byte_level",
@@ -117,7 +121,10 @@ class UpstreamClient:
                         node.url + plan.path, data=body, headers=headers, timeout=self._request_timeout
                     )
                     if response.status != 200:
-                        raise failure_from_status(response.status, await _bounded_body(response), node.url)
+                        failure = failure_from_status(response.status, await _bounded_body(response), node.url)
+                        if node.kind == "proxy" and failure.kind == "model":
+                            failure = proxy_lost_model(failure.error.message, node.url)
+                        raise failure
                     reader = SSEReader(response.content, node=node.url)
                     payload = await reader.next()
             except TimeoutError:
@@ -176,7 +183,7 @@ class UpstreamClient:
             else:
                 completion_tokens = stream.tokens
                 prompt_tokens = stream.usage[0] if stream.usage else None
-                if prompt_tokens is None and plan.chat:
+                if prompt_tokens is None and plan.chat and node.kind != "proxy":  # a proxy has no count_tokens
                     if response is not None:
                         response.close()  # stop the engine before asking the node to count
                     prompt_tokens = await self.count_prompt_tokens(node, request, upstream_model)

@@ -47,15 +47,27 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
+ANTHROPIC_TIERS = {"priority": "priority", "batch": "batch"}
+"""How Anthropic's usage names the tier a message was served in; every other tier is its ``standard``."""
+
+
 class MessagesFormat:
     """The content blocks and stream events of one message (the format protocol of ``gateway.streaming``)."""
 
     ping_frame = PING_FRAME
 
     def __init__(
-        self, message_id: str, model: str, *, max_tokens: int, signer: ThinkingSigner, omit_thinking: bool = False
+        self,
+        message_id: str,
+        model: str,
+        *,
+        max_tokens: int,
+        signer: ThinkingSigner,
+        omit_thinking: bool = False,
+        service_tier: str = "default",
     ) -> None:
         self.fingerprint = ""  # set by the router's fallback hook; messages do not report it
+        self._service_tier = ANTHROPIC_TIERS.get(service_tier, "standard")  # echoed in every usage object
         self._id = message_id
         self._model = model
         self._max_tokens = max_tokens
@@ -199,7 +211,7 @@ class MessagesFormat:
             "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
-            "usage": usage,
+            "usage": {**usage, "service_tier": self._service_tier},  # message_delta's usage has no tier
         }
 
     def _end_frames(self, usage: Usage | None) -> bytes:

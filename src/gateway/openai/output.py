@@ -91,13 +91,14 @@ class _FramePrefix:
     """The bytes a response's stream frames start with, up to ``"choices":``; rebuilt when the fingerprint changes
     (a fallback target took the request over before its first frame)."""
 
-    __slots__ = ("_fingerprint", "_object", "choices", "created", "id", "model", "texts")
+    __slots__ = ("_fingerprint", "_object", "choices", "created", "id", "model", "service_tier", "texts")
 
-    def __init__(self, response_id: str, created: int, model: str, fingerprint: str, obj: str) -> None:
+    def __init__(self, response_id: str, created: int, model: str, fingerprint: str, obj: str, tier: str) -> None:
         self.id = response_id
         self.created = created
         self.model = model
         self._object = obj
+        self.service_tier = tier
         self.fingerprint = fingerprint
 
     @property
@@ -113,6 +114,7 @@ class _FramePrefix:
                 "object": self._object,
                 "created": self.created,
                 "model": self.model,
+                "service_tier": self.service_tier,
                 "system_fingerprint": value,
             }
         )
@@ -133,11 +135,14 @@ _COMPLETION_TEXT_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
 class ChatFormat(SSEFormat):
     """``chat.completion`` responses and ``chat.completion.chunk`` frames for one request."""
 
-    def __init__(self, response_id: str, created: int, model: str, fingerprint: str, n: int) -> None:
+    def __init__(
+        self, response_id: str, created: int, model: str, fingerprint: str, n: int, service_tier: str = "default"
+    ) -> None:
         self.id = response_id
         self.created = created
         self.model = model
-        self._prefix = _FramePrefix(response_id, created, model, fingerprint, "chat.completion.chunk")
+        self.service_tier = service_tier  # the tier that served the request, echoed in every body and chunk
+        self._prefix = _FramePrefix(response_id, created, model, fingerprint, "chat.completion.chunk", service_tier)
         self.n = n
         self._role_sent = [False] * n
         self._texts: list[list[str]] = [[] for _ in range(n)]
@@ -228,6 +233,7 @@ class ChatFormat(SSEFormat):
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
+            "service_tier": self.service_tier,
             "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
@@ -239,11 +245,14 @@ class ChatFormat(SSEFormat):
 class CompletionFormat(SSEFormat):
     """``text_completion`` responses and frames; choice indexes are ``prompt_index * n + i``."""
 
-    def __init__(self, response_id: str, created: int, model: str, fingerprint: str, choices: int) -> None:
+    def __init__(
+        self, response_id: str, created: int, model: str, fingerprint: str, choices: int, service_tier: str = "default"
+    ) -> None:
         self.id = response_id
         self.created = created
         self.model = model
-        self._prefix = _FramePrefix(response_id, created, model, fingerprint, "text_completion")
+        self.service_tier = service_tier  # the tier that served the request, echoed in every body and chunk
+        self._prefix = _FramePrefix(response_id, created, model, fingerprint, "text_completion", service_tier)
         self.choices = choices
         self._texts: list[list[str]] = [[] for _ in range(choices)]
         self._offsets = [0] * choices
@@ -349,6 +358,7 @@ class CompletionFormat(SSEFormat):
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
+            "service_tier": self.service_tier,
             "system_fingerprint": self.fingerprint,
             "choices": choices,
         }

@@ -180,6 +180,14 @@ class _Sampling(_Request):
     min_p: float | None = Field(None, ge=0, le=1, description="extension (vLLM, LMDeploy)")
     min_tokens: WholeInt | None = Field(None, ge=0, description="extension: generate at least this many tokens")
     skip_special_tokens: bool = Field(True, description="extension: drop special tokens from the text")
+    service_tier: Literal["auto", "default", "flex", "priority", "fast", "scale"] | None = Field(
+        None,
+        description="auto (or none): the API key's default tier; fast: priority, as OpenAI serves it; a tier the "
+        "key may not use (scale, which this gateway does not have, included): its default",
+    )
+    priority: WholeInt = Field(
+        0, ge=-(2**31), lt=2**31, description="extension (vLLM): within a service tier, lower is served first"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -259,7 +267,6 @@ class ChatCompletionRequest(_Sampling):
     # Hints for OpenAI's own service, accepted and not acted on.
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None

@@ -38,9 +38,11 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-def response_envelope(body: CreateResponseRequest, model: str, response_id: str, created_at: int) -> dict[str, Any]:
+def response_envelope(
+    body: CreateResponseRequest, model: str, response_id: str, created_at: int, service_tier: str = "default"
+) -> dict[str, Any]:
     """The ``response`` object before any output: the request's settings as the response reports them, with the
-    served model's name (``body.model`` may be an alias of it)."""
+    served model's name (``body.model`` may be an alias of it) and the service tier that serves it."""
     text_format = body.text.format.echo() if body.text is not None and body.text.format is not None else None
     reasoning = body.reasoning
     return {
@@ -62,7 +64,7 @@ def response_envelope(body: CreateResponseRequest, model: str, response_id: str,
             "effort": reasoning.effort if reasoning is not None else None,
             "summary": reasoning.summary if reasoning is not None else None,
         },
-        "service_tier": "default",
+        "service_tier": service_tier,
         "temperature": body.temperature if body.temperature is not None else 1.0,
         "text": {"format": text_format or {"type": "text"}, "verbosity": "medium"},
         "tool_choice": body.tool_choice or "auto",

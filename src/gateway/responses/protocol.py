@@ -111,12 +111,16 @@ class CreateResponseRequest(_Body):
     seed: WholeInt | None = Field(None, ge=-(2**63), lt=2**64, description="extension: reproducible sampling")
     top_k: WholeInt | None = Field(None, ge=-1, description="extension: sample among the k most likely tokens")
     ignore_eos: bool = Field(False, description="extension: generate until max_output_tokens even past end-of-sequence")
+    service_tier: Literal["auto", "default", "flex", "priority", "fast", "scale"] | None = Field(
+        None,
+        description="auto (or none): the API key's default tier; fast: priority, as OpenAI serves it; a tier the "
+        "key may not use (scale, which this gateway does not have, included): its default",
+    )
     # Accepted at their defaults only (see the validator).
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     max_tool_calls: WholeInt | None = Field(None, ge=1)
-    service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None

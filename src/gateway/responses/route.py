@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from backends.errors import InvalidRequestError
 from backends.interface import GenerateRequest, Usage
-from gateway.auth import request_owner
+from gateway.auth import request_label, request_owner, request_service_tier
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
 from gateway.limits import admitted
@@ -100,8 +100,10 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     model = state.router.served_name(body.model)
     response_id = new_id("resp")
     created_at = time.time()
+    label = request_label(request)
+    tier = request_service_tier(request, state.key_tiers.tier_for(label, body.service_tier))
     fmt = ResponsesFormat(
-        response_envelope(body, model, response_id, int(created_at)), want_logprobs=body.wants_logprobs()
+        response_envelope(body, model, response_id, int(created_at), tier), want_logprobs=body.wants_logprobs()
     )
 
     async def store(_usage: Usage | None) -> None:
@@ -124,6 +126,9 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
                 parallel_tool_calls=body.parallel_tool_calls,
                 response_format=body.response_format(),
                 reasoning_effort=body.reasoning_effort(),
+                service_tier=tier,
+                tenant=label,
+                log=request.state.log,
             )
             events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
             return await _respond(

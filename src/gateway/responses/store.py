@@ -10,13 +10,13 @@ on any process or replica.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter
 
+from gateway.local_state import local_state_dir
 from gateway.responses.memory_store import MemoryResponseStore
 from gateway.responses.records import DEFAULT_MAX_BYTES, NOT_KEPT, Clock, ResponseStore, StoredResponse
 from gateway.responses.redis_store import RedisResponseStore
@@ -34,10 +34,8 @@ SQLITE_FILE_NAME = "responses.sqlite3"
 
 
 def default_sqlite_path() -> Path:
-    """``responses.sqlite3`` in ``$DEEPINFER_GATEWAY_CACHE`` or ``~/.cache/deepinfer-gateway``."""
-    configured = os.environ.get("DEEPINFER_GATEWAY_CACHE")
-    base = Path(configured) if configured else Path.home() / ".cache" / "deepinfer-gateway"
-    return base / SQLITE_FILE_NAME
+    """``responses.sqlite3`` in the gateway's local state folder (``gateway.local_state``)."""
+    return local_state_dir() / SQLITE_FILE_NAME
 
 
 def open_response_store(

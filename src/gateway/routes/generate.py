@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from backends.interface import Backend, Event, EventStream, GenerateRequest, Usage
+from gateway.auth import request_label, request_service_tier
 from gateway.bodies import OffloadedJSONRoute
 from gateway.capabilities import system_fingerprint
 from gateway.deadlines import Timeouts
@@ -130,6 +131,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if problem is not None:
         raise APIError(400, problem, param="tool_choice")
     model = state.router.served_name(body.model)
+    label = request_label(request)
+    tier = request_service_tier(request, state.key_tiers.tier_for(label, body.service_tier))
     limit = body.output_limit()
     async with admitted(request, _limits(state), limit * body.n if limit is not None else None) as reservation:
         generate = GenerateRequest(
@@ -149,6 +152,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             thinking=body.thinking.enabled if body.thinking is not None else None,
             reasoning_effort=body.reasoning_effort,
             chat_template_kwargs=body.chat_template_kwargs,
+            service_tier=tier,
+            priority=body.priority,
+            tenant=label,
+            log=request.state.log,
         )
         events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
         return await _respond(
@@ -156,7 +163,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             state,
             events,
             lambda fingerprint: ChatFormat(
-                f"chatcmpl-{os.urandom(16).hex()}", int(time.time()), model, fingerprint, body.n
+                f"chatcmpl-{os.urandom(16).hex()}", int(time.time()), model, fingerprint, body.n, tier
             ),
             model=model,
             reservation=reservation,
@@ -175,6 +182,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts are allowed in one request.", param="prompt")
     model = state.router.served_name(body.model)
+    label = request_label(request)
+    tier = request_service_tier(request, state.key_tiers.tier_for(label, body.service_tier))
     reserve = body.max_tokens * len(prompts) * body.n if body.max_tokens is not None else None
     async with admitted(request, _limits(state), reserve) as reservation:
         sampling = body.sampling_options(
@@ -191,6 +200,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 echo=body.echo,
                 max_buffered_tokens=state.config.server.stream_buffer_tokens,
                 user=body.user,
+                service_tier=tier,
+                priority=body.priority,
+                tenant=label,
+                log=request.state.log,
             )
             for prompt in prompts
         ]
@@ -206,7 +219,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             state,
             events,
             lambda fingerprint: CompletionFormat(
-                f"cmpl-{os.urandom(16).hex()}", int(time.time()), model, fingerprint, choices
+                f"cmpl-{os.urandom(16).hex()}", int(time.time()), model, fingerprint, choices, tier
             ),
             model=model,
             reservation=reservation,

@@ -21,6 +21,7 @@ from gateway.anthropic.output import MessagesFormat, new_id
 from gateway.anthropic.protocol import ConversationRequest, CountTokensRequest, MessagesRequest
 from gateway.anthropic.signatures import ThinkingSigner
 from gateway.anthropic.translate import generate_request, messages_terms
+from gateway.auth import request_label
 from gateway.bodies import OffloadedJSONRoute
 from gateway.capabilities import capability
 from gateway.errors import APIError
@@ -73,12 +74,18 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         signer=_signer(state),
         max_buffered_tokens=state.config.server.stream_buffer_tokens,
     )
+    # Anthropic's auto is the key's default tier; standard_only is the default tier when the key may use it.
+    generate.tenant = request_label(request)
+    asked = "default" if body.service_tier == "standard_only" else None
+    generate.service_tier = state.key_tiers.tier_for(generate.tenant, asked)
+    generate.log = request.state.log
     fmt = MessagesFormat(
         new_id("msg"),
         model,
         max_tokens=body.max_tokens,
         signer=_signer(state),
         omit_thinking=body.reasoning_display_omitted(),
+        service_tier=generate.service_tier,
     )
     try:
         async with admitted(request, _limits(state), body.max_tokens) as reservation:

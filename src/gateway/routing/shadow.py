@@ -10,6 +10,7 @@ the texts are identical.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import random
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from backends.interface import Backend, Delta, Event, EventStream, Finish, GenerateRequest, Usage
+from gateway.capabilities import WrappedBackend
 from gateway.routing.targets import BackendLoad, LatencyWindow
 from gateway.routing.telemetry import RoutingMetrics
 
@@ -186,7 +188,7 @@ class ShadowMirror:
         call = self._tracing.backend_call(self.backend, request, "shadow") if self._tracing is not None else None
         failure: BaseException | None = None
         try:
-            events = factory(self.backend if call is None else call.backend)
+            events = factory(_OffTheRecord(self.backend if call is None else call.backend))
             async for event in events:
                 capture.observe(event)
                 if call is not None:
@@ -270,3 +272,13 @@ class ShadowMirror:
             "outcomes": dict(sorted(self.outcomes.items())),
             "comparisons": {primary: s.describe() for primary, s in sorted(self.summaries.items())},
         }
+
+
+class _OffTheRecord(WrappedBackend):
+    """The shadow backend as its copy of a client's request reaches it: the request's access-log line is the
+    client's, so the shadow's admission (its tier, its queue wait) is not written into it."""
+
+    __slots__ = ()
+
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
+        return self.inner.generate(dataclasses.replace(request, log=None))

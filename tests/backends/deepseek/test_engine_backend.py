@@ -11,7 +11,9 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import deepseek_recipe as recipe
 import numpy as np
+import orjson
 import pytest
 from tokenizers import Tokenizer
 
@@ -212,8 +214,39 @@ async def test_thinking_output_splits_into_reasoning_then_content_and_counts_rea
     out = assemble(events)
     assert (out["reasoning"], out["content"], out["finish"]) == (reasoning, "The answer is 4.", "stop")
     assert engine.tokenizer.decode(engine.prompts[0], skip_special_tokens=False).endswith("<｜Assistant｜><think>")
-    reasoning_ids = engine.tokenizer.encode(reasoning + "</think>", add_special_tokens=False).ids
-    assert out["usage"].reasoning_tokens == len(reasoning_ids)
+    reasoning_ids = engine.tokenizer.encode(reasoning, add_special_tokens=False).ids
+    assert out["usage"].reasoning_tokens == len(reasoning_ids)  # the closing tag is not reasoning
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "The user wants a number.</think>The answer is 4.",
+        "\n\nShort.</think>\n\nLong answer with some more words in it.",
+        "Look it up." + CALL_BLOCK,
+        "Look it up.</think>" + CALL_BLOCK,
+    ],
+)
+async def test_usage_counts_reasoning_tokens_as_deepseek_recipe_does(
+    artifacts: ReferenceArtifacts, completion: str
+) -> None:
+    events, engine = await run(artifacts, completion, tools=[WEATHER], reasoning_effort="high")
+    gateway = assemble(events)["usage"]
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "Weather?"}], "stream": True}
+    conversation = recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions())
+    processor = recipe.StreamProcessor(
+        recipe.ChatCompletionRequest.chunk_generator(conversation, "chatcmpl-test", "m"),
+        conversation.parsing_options,
+        recipe.Tokenizer.from_str(engine.tokenizer.to_str()),
+    )
+    out = processor.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(prompt_tokens=1)))
+    script = engine.script[:-1]  # without the EOS, which ends the reply rather than being part of it
+    for at in range(0, len(script), 3):  # the steps the scripted engine made
+        out += processor.push(recipe.InferenceChunk.tokens(script[at : at + 3]))
+    out += processor.push(recipe.InferenceChunk.finish(recipe.InferenceFinishReason.Stop))
+    out += processor.finish()
+    usage = orjson.loads(out[-1].to_json())["usage"]
+    assert gateway is not None and gateway.reasoning_tokens == usage["completion_tokens_details"]["reasoning_tokens"]
 
 
 async def test_tool_call_after_reasoning_in_thinking_mode(artifacts: ReferenceArtifacts) -> None:
@@ -226,21 +259,34 @@ async def test_tool_call_after_reasoning_in_thinking_mode(artifacts: ReferenceAr
 async def test_text_before_a_call_stays_content(artifacts: ReferenceArtifacts) -> None:
     events, _ = await run(artifacts, "Let me check." + CALL_BLOCK, tools=[WEATHER])
     out = assemble(events)
-    assert out["content"] == "Let me check.\n\n" and len(out["calls"]) == 2 and out["finish"] == "tool_calls"
+    assert out["content"] == "Let me check." and len(out["calls"]) == 2 and out["finish"] == "tool_calls"
 
 
 async def test_without_tools_dsml_is_plain_content_and_finish_is_stop(artifacts: ReferenceArtifacts) -> None:
     events, _ = await run(artifacts, CALL_BLOCK)
     out = assemble(events)
-    assert out["content"] == CALL_BLOCK and out["calls"] == [] and out["finish"] == "stop"
+    assert out["content"] == CALL_BLOCK.lstrip("\n") and out["calls"] == [] and out["finish"] == "stop"
 
 
-async def test_stop_string_ends_the_choice_before_the_call_is_parsed(artifacts: ReferenceArtifacts) -> None:
-    events, _ = await run(
-        artifacts, "Checking." + CALL_BLOCK, tools=[WEATHER], sampling=SamplingOptions(stop=["<｜DSML｜ invoke"])
+@pytest.mark.parametrize("per_step", [1, 3, 7])
+async def test_stop_sequences_end_the_answer_not_the_reasoning(artifacts: ReferenceArtifacts, per_step: int) -> None:
+    """As DeepSeek's parser does: a stop sequence in the reasoning is reasoning; in the answer it ends the choice."""
+    completion = "Plan: STOP is a word.</think>The answer STOP is cut here, and all of this is never generated."
+    events, engine = await run(
+        artifacts, completion, per_step=per_step, reasoning_effort="high", sampling=SamplingOptions(stop=["STOP"])
     )
     out = assemble(events)
-    assert out["calls"] == [] and out["finish"] == "stop" and out["content"] == "Checking.\n\n"
+    assert (out["reasoning"], out["content"], out["finish"]) == ("Plan: STOP is a word.", "The answer ", "stop")
+    assert [e.matched_stop for e in events if isinstance(e, Finish)] == ["STOP"]
+    through_stop = engine.tokenizer.encode(completion[: completion.rindex("STOP") + 4], add_special_tokens=False).ids
+    assert out["usage"].completion_tokens < len(through_stop) + per_step  # the engine request ended at the stop
+
+
+async def test_a_stop_sequence_inside_a_call_is_part_of_its_arguments(artifacts: ReferenceArtifacts) -> None:
+    events, _ = await run(artifacts, "Checking." + CALL_BLOCK, tools=[WEATHER], sampling=SamplingOptions(stop=["Oslo"]))
+    out = assemble(events)
+    assert out["content"] == "Checking." and out["finish"] == "tool_calls"
+    assert [json.loads(c["arguments"])["city"] for c in out["calls"]] == ["Paris", "Oslo"]
 
 
 async def test_forced_tool_call_sends_the_grammar_and_trigger_to_the_engine(artifacts: ReferenceArtifacts) -> None:

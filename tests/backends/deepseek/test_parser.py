@@ -39,9 +39,9 @@ def param(name: str, value: str, string: bool = True) -> str:
     return f'<｜DSML｜ parameter name="{name}" string="{"true" if string else "false"}">{value}</｜DSML｜ parameter>'
 
 
-def counter_ids() -> Callable[[], str]:
+def counter_ids() -> Callable[[int], str]:
     numbers = itertools.count()
-    return lambda: f"call_{next(numbers)}"
+    return lambda index: f"call_{next(numbers)}"
 
 
 class Result:
@@ -90,16 +90,17 @@ def test_thinking_prompt_gives_reasoning_then_content() -> None:
     assert (result.reasoning, result.content, result.calls) == ("Let me see.", "The answer is 4.", [])
 
 
-def test_chat_prompt_gives_content_only_and_a_think_tag_opens_reasoning() -> None:
+def test_chat_prompt_gives_content_only_and_a_think_tag_is_text() -> None:
+    """As in DeepSeek's parser, only the prompt opens a reasoning: a ``<think>`` the model writes is text."""
     assert parse(["plain answer"]).as_tuple() == ("", "plain answer", [], False)
     result = parse(["<think>hmm</think>done"])
-    assert (result.reasoning, result.content) == ("hmm", "done")
+    assert (result.reasoning, result.content) == ("", "<think>hmmdone")
 
 
-def test_bare_close_tag_in_content_and_open_tag_in_reasoning_are_dropped() -> None:
+def test_bare_close_tag_in_content_is_dropped_and_open_tag_in_reasoning_is_text() -> None:
     assert parse(["a</think>b"]).content == "ab"
     result = parse(["x<think>y</think>z"], in_reasoning=True)
-    assert (result.reasoning, result.content) == ("xy", "z")
+    assert (result.reasoning, result.content) == ("x<think>y", "z")
 
 
 def test_chat_mode_tool_call_gives_json_arguments_and_no_content() -> None:
@@ -122,7 +123,7 @@ def test_text_before_calls_is_content_and_parallel_calls_keep_their_order() -> N
         + CALLS_CLOSE
     )
     result = parse([text])
-    assert result.content == "Checking both.\n\n"
+    assert result.content == "Checking both."  # the newlines before the calls are dropped, as DeepSeek's parser does
     assert [json.loads(c["arguments"]) for c in result.calls] == [{"city": "Paris"}, {"city": "Oslo"}]
     assert [c["id"] for c in result.calls] == ["call_0", "call_1"]
 
@@ -179,25 +180,25 @@ def test_bare_invoke_without_the_calls_wrapper_is_a_call() -> None:
     the agent gets the call, and the user sees no markup."""
     text = "Let me look.\n\n" + invoke("get_weather", param("city", "Paris"), param("days", "2", False))
     result = parse([text])
-    assert result.content == "Let me look.\n\n"
+    assert result.content == "Let me look."
     assert result.calls == [{"id": "call_0", "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}]
     assert result.called
     two = parse(["\n\n" + invoke("f", param("q", "1")) + "\n" + invoke("f", param("q", "2"))])
     assert [json.loads(c["arguments"]) for c in two.calls] == [{"q": "1"}, {"q": "2"}] and two.content == ""
-    # Inside the reasoning a bare invoke stays reasoning, as in DeepSeek's parser (only a calls block ends it).
+    # Inside the reasoning a bare invoke is a call too, and ends the reasoning, as in DeepSeek's parser.
     thinking = parse(["plan: " + invoke("f", param("q", "1"))], in_reasoning=True)
-    assert thinking.calls == [] and thinking.reasoning.startswith("plan: <｜DSML｜ invoke")
+    assert thinking.reasoning == "plan: " and [json.loads(c["arguments"]) for c in thinking.calls] == [{"q": "1"}]
 
 
 def test_text_after_the_call_block_is_dropped() -> None:
     """The calls end the turn (V4.1 writes EOS there); DeepSeek's parser rejects text after them and vLLM's drops
     it, so a continuation the model should not have written (say, an invented tool result) never reaches the
-    client as an answer. A second call after the block is still a call."""
+    client as an answer. A call after the block is dropped too, as DeepSeek's parser drops it."""
     block = CALLS_OPEN + "\n" + invoke("f", param("q", "1")) + "\n" + CALLS_CLOSE
     result = parse(["Sure.\n\n" + block + "\n\nThe result is 42. <think>x</think>"])
-    assert result.content == "Sure.\n\n" and [json.loads(c["arguments"]) for c in result.calls] == [{"q": "1"}]
+    assert result.content == "Sure." and [json.loads(c["arguments"]) for c in result.calls] == [{"q": "1"}]
     again = parse([block + " and " + invoke("f", param("q", "2")) + CALLS_CLOSE + " tail"])
-    assert [json.loads(c["arguments"]) for c in again.calls] == [{"q": "1"}, {"q": "2"}] and again.content == ""
+    assert [json.loads(c["arguments"]) for c in again.calls] == [{"q": "1"}] and again.content == ""
 
 
 def test_parameter_without_a_string_attribute_is_read_as_json_or_text() -> None:
@@ -209,17 +210,17 @@ def test_parameter_without_a_string_attribute_is_read_as_json_or_text() -> None:
     assert json.loads(arguments_json(raw, WEATHER_PARAMETERS)) == {"days": 3, "city": "Oslo"}
 
 
-def test_trailing_whitespace_of_the_reasoning_is_kept() -> None:
-    """A deliberate difference from vLLM, which strips it: DeepSeek's parser keeps the reasoning as written, a
-    stream need not hold whitespace back until ``</think>``, and a client that sends the reasoning back gets the
-    exact prompt the model wrote (its prefix cache still matches)."""
-    result = parse(["Let me think.\n\n</think>Answer"], in_reasoning=True)
-    assert (result.reasoning, result.content) == ("Let me think.\n\n", "Answer")
+def test_newlines_around_the_end_of_the_reasoning_are_dropped_other_whitespace_kept() -> None:
+    """As DeepSeek's parser does: newlines right before ``</think>`` and at the start of the answer go."""
+    result = parse(["Let me think.\n\n</think>\nAnswer"], in_reasoning=True)
+    assert (result.reasoning, result.content) == ("Let me think.", "Answer")
+    result = parse(["Let me think. \n</think> Answer"], in_reasoning=True)
+    assert (result.reasoning, result.content) == ("Let me think. ", " Answer")
 
 
 def test_without_tools_dsml_stays_content() -> None:
-    text = "\n\n" + CALLS_OPEN + invoke("f", param("q", "1")) + CALLS_CLOSE
-    result = parse([text], tools=None)
+    text = CALLS_OPEN + invoke("f", param("q", "1")) + CALLS_CLOSE
+    result = parse(["\n\n" + text], tools=None)
     assert result.content == text and result.calls == [] and not result.called
 
 
@@ -231,8 +232,9 @@ def test_literal_content_keeps_tags_after_the_reasoning_as_data() -> None:
     assert parse(["<think>a"], tools=None, literal_content=True).content == "<think>a"
 
 
-def test_whitespace_only_content_is_kept_when_no_call_follows() -> None:
-    assert parse(["\n\n  "]).content == "\n\n  "
+def test_an_answer_drops_its_leading_newlines_and_keeps_other_whitespace() -> None:
+    assert parse(["\n\n  "]).content == "  "
+    assert parse(["\n", "\n"]).content == ""
 
 
 def test_unterminated_call_at_the_end_keeps_only_its_complete_parameters() -> None:
@@ -270,10 +272,13 @@ def test_partial_tag_at_the_end_is_released_as_text() -> None:
 
 
 def test_call_block_cut_inside_its_opening_tag_leaves_no_markup() -> None:
-    for cut in ("<｜", "<｜DSML", "<｜DSML｜ cal", "<｜DSML｜ invoke name"):
-        assert parse(["answer\n\n" + cut]).as_tuple() == ("", "answer\n\n", [], False)
-    for cut in ("<｜", "<｜DSML", "<｜DSML｜ cal"):  # in the reasoning only a calls block is markup
-        assert parse(["thinking " + cut], in_reasoning=True).reasoning == "thinking "
+    """As in DeepSeek's parser: once ``<｜DSML｜`` is written, a cut opening is markup (with the newlines before
+    it); before that it is text."""
+    for cut in ("<｜DSML｜", "<｜DSML｜ cal", "<｜DSML｜ invoke name"):
+        assert parse(["answer\n\n" + cut]).as_tuple() == ("", "answer", [], False)
+        assert parse(["thinking\n" + cut], in_reasoning=True).reasoning == "thinking"
+    for cut in ("<｜", "<｜DSML"):
+        assert parse(["answer\n\n" + cut]).content == "answer\n\n" + cut
     assert parse(["answer <"]).content == "answer <"
     assert parse(["answer <｜DSML"], tools=None).content == "answer <｜DSML"  # without tools it is text
 
@@ -286,9 +291,15 @@ def test_text_without_a_tag_start_passes_straight_through() -> None:
 
 
 def test_held_tag_prefix_is_released_once_it_cannot_be_a_tag() -> None:
-    parser = DeepSeekV41OutputParser(in_reasoning=False, tools=None)
-    assert parser.push("x <th") == ParsedText("", "x ", ())
-    assert parser.push("ings") == ParsedText("", "<things", ())
+    parser = DeepSeekV41OutputParser(in_reasoning=True, tools=None)
+    assert parser.push("x </th") == ParsedText("x ", "", ())
+    assert parser.push("ings") == ParsedText("</things", "", ())
+
+
+def test_trailing_newlines_wait_for_what_follows_them() -> None:
+    parser = DeepSeekV41OutputParser(in_reasoning=False, tools=WEATHER)
+    assert parser.push("a\n\n") == ParsedText("", "a", ())
+    assert parser.push("b") == ParsedText("", "\n\nb", ())
 
 
 def test_tool_schemas_reads_each_tools_parameters() -> None:
