@@ -26,9 +26,16 @@ DELTAS_OF = {
 }
 
 
+DEEPSEEK_USAGE_FIELDS = frozenset({"prompt_cache_hit_tokens", "prompt_cache_miss_tokens"})
+"""DeepSeek's cache accounting, which its API reports in every usage beside the client API's own fields."""
+
+
 def _no_unknown_fields(value: Any, path: str) -> None:
     if isinstance(value, BaseModel):
-        extra = value.model_extra or {}
+        extra = dict(value.model_extra or {})
+        if path.endswith("usage") and extra.keys() >= DEEPSEEK_USAGE_FIELDS:
+            hits, misses = extra.pop("prompt_cache_hit_tokens"), extra.pop("prompt_cache_miss_tokens")
+            assert isinstance(hits, int) and isinstance(misses, int) and hits >= 0 and misses >= 0, (path, extra)
         assert not extra, f"{path}: fields the anthropic types do not know: {sorted(extra)}"
         for name in type(value).model_fields:
             _no_unknown_fields(getattr(value, name), f"{path}.{name}")
@@ -50,7 +57,12 @@ def check_message(body: dict[str, Any]) -> Message:
         assert message.stop_sequence, "stop_reason stop_sequence without the stop_sequence"
     else:
         assert message.stop_sequence is None
-    assert message.usage.cache_creation_input_tokens == 0 and message.usage.cache_read_input_tokens == 0
+    usage = message.usage
+    assert usage.cache_creation_input_tokens == 0
+    deepseek = usage.model_extra or {}
+    # Anthropic's input_tokens leave out what was read from the cache; DeepSeek's hits and misses are the two parts.
+    assert usage.cache_read_input_tokens == deepseek["prompt_cache_hit_tokens"], usage
+    assert usage.input_tokens == deepseek["prompt_cache_miss_tokens"], usage
     return message
 
 

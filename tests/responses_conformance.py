@@ -17,9 +17,16 @@ from pydantic import BaseModel, TypeAdapter
 _EVENT = TypeAdapter(ResponseStreamEvent)
 
 
+DEEPSEEK_USAGE_FIELDS = frozenset({"prompt_cache_hit_tokens", "prompt_cache_miss_tokens"})
+"""DeepSeek's cache accounting, which its API reports in every usage beside the client API's own fields."""
+
+
 def _no_unknown_fields(value: Any, path: str) -> None:
     if isinstance(value, BaseModel):
-        extra = value.model_extra or {}
+        extra = dict(value.model_extra or {})
+        if path.endswith("usage") and extra.keys() >= DEEPSEEK_USAGE_FIELDS:
+            hits, misses = extra.pop("prompt_cache_hit_tokens"), extra.pop("prompt_cache_miss_tokens")
+            assert isinstance(hits, int) and isinstance(misses, int) and hits >= 0 and misses >= 0, (path, extra)
         assert not extra, f"{path}: fields the openai types do not know: {sorted(extra)}"
         for name in type(value).model_fields:
             _no_unknown_fields(getattr(value, name), f"{path}.{name}")
@@ -34,6 +41,10 @@ def check_response(body: dict[str, Any]) -> Response:
     assert body["object"] == "response"
     for key in ("status", "error", "incomplete_details", "usage", "output", "tools", "text", "reasoning"):
         assert key in body, f"response has no {key!r}"
+    usage = body["usage"]
+    if usage is not None:  # DeepSeek's hits and misses make the input; the hits are OpenAI's cached tokens
+        assert usage["input_tokens_details"]["cached_tokens"] == usage["prompt_cache_hit_tokens"], usage
+        assert usage["prompt_cache_hit_tokens"] + usage["prompt_cache_miss_tokens"] == usage["input_tokens"], usage
     return response
 
 

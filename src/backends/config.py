@@ -92,6 +92,13 @@ class ReferenceBackendConfig(_Preparation):
     seed: int | None = Field(None, description="seed for requests that bring none; unset: random like DeepInfer")
     default_thinking: bool = Field(False, description="thinking mode for chats that do not ask (docs/deepseek.md)")
     timing: TimingModel = TimingModel()
+    prefix_cache_tokens: int = Field(
+        0,
+        ge=0,
+        description="prompt tokens each engine's prefix cache keeps (LRU, whole blocks); a hit skips their prefill "
+        "time and is reported as prompt_cache_hit_tokens; 0: no prefix cache",
+    )
+    prefix_cache_block_size: int = Field(16, ge=1, le=4096, description="tokens per prefix-cache block")
     # Data parallelism (docs/data-parallel.md): one engine per rank, each in its own worker process.
     data_parallel_size: int = Field(1, ge=1, le=256, description="engine ranks; above 1, one worker process each")
     worker_processes: bool | None = Field(

@@ -216,6 +216,9 @@ class Usage(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int | None = None  # of the completion tokens, those spent reasoning (when known)
+    cached_tokens: int = 0
+    """Of the prompt tokens, those the backend found in its prefix cache, as the engine or node reported them;
+    0 when it reports none (never an estimate)."""
 
 
 class PromptToken(NamedTuple):

@@ -121,6 +121,12 @@ class GatewayMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.prompt_cache_hit_tokens = Counter(
+            "gateway_prompt_cache_hit_tokens",
+            "Of the prompt tokens, those the backend found in its prefix cache (as its usage reported them).",
+            labels,
+            registry=r,
+        )
         self.generation_tokens = Counter("gateway_generation_tokens", "Tokens generated.", labels, registry=r)
         self.in_flight = Gauge(
             "gateway_requests_in_flight", "Requests being served.", labels, registry=r, multiprocess_mode="livesum"
@@ -197,6 +203,7 @@ class _Series:
         "generation_tokens",
         "in_flight",
         "labels",
+        "prompt_cache_hit_tokens",
         "prompt_tokens",
         "tpot",
         "ttft",
@@ -210,6 +217,7 @@ class _Series:
         self.ttft = metrics.ttft.labels(*labels)
         self.tpot = metrics.tpot.labels(*labels)
         self.prompt_tokens = metrics.prompt_tokens.labels(*labels)
+        self.prompt_cache_hit_tokens = metrics.prompt_cache_hit_tokens.labels(*labels)
         self.generation_tokens = metrics.generation_tokens.labels(*labels)
         self._by_label: dict[tuple[Counter, str], Any] = {}
 
@@ -334,6 +342,10 @@ class RequestObserver:
         if prompt_tokens:
             series.prompt_tokens.inc(prompt_tokens)
             self.log["prompt_tokens"] = prompt_tokens
+            assert usage is not None
+            if usage.cached_tokens:
+                series.prompt_cache_hit_tokens.inc(usage.cached_tokens)
+            self.log["prompt_cache_hit_tokens"] = usage.cached_tokens
         if completion_tokens:
             series.generation_tokens.inc(completion_tokens)
             self.log["completion_tokens"] = completion_tokens

@@ -309,12 +309,13 @@ def _observe_failure(observer: RequestObserver, exc: BaseException) -> None:
 async def merge_prompts(streams: list[EventStream[Event]], n: int) -> AsyncGenerator[Event, None]:
     """Runs one event stream per prompt concurrently, renumbering choices ``prompt_index * n + i`` and
     adding the usages up, as OpenAI does for a list of prompts."""
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     async with aclosing(interleave(streams)) as merged:
         async for index, event in merged:
             if isinstance(event, Usage):
                 prompt_tokens += event.prompt_tokens
                 completion_tokens += event.completion_tokens
+                cached_tokens += event.cached_tokens
             else:
                 yield event._replace(index=index * n + event.index)
-    yield Usage(prompt_tokens, completion_tokens)
+    yield Usage(prompt_tokens, completion_tokens, cached_tokens=cached_tokens)

@@ -30,6 +30,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # frames carrying non-empty content / reasoning
     prompt_tokens: int | None = None  # from the server's usage
     output_tokens: int | None = None  # from the server's usage
+    cached_prompt_tokens: int | None = None  # the server's prompt_cache_hit_tokens (or cached_tokens), if it sent them
     finish_reason: str | None = None
     error: str | None = None  # kind, e.g. http_429, timeout, connect, stream_error, incomplete, no_output
     error_detail: str | None = None
@@ -42,6 +43,14 @@ class RequestRecord:
     def tokens(self) -> int:
         """Output tokens: the server's count when it sent usage, else the number of content chunks."""
         return self.output_tokens if self.output_tokens is not None else len(self.token_times)
+
+
+def cache_hits(usage: dict) -> int | None:
+    """The prompt tokens a server says its prefix cache held: DeepSeek's field, else OpenAI's; None if neither."""
+    hits = usage.get("prompt_cache_hit_tokens")
+    if hits is None:
+        hits = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return hits if isinstance(hits, int) else None
 
 
 def _has_content(choice: dict) -> bool:
@@ -103,6 +112,7 @@ async def stream_request(
                 if usage:
                     record.prompt_tokens = usage.get("prompt_tokens")
                     record.output_tokens = usage.get("completion_tokens")
+                    record.cached_prompt_tokens = cache_hits(usage)
                 if "error" in chunk and record.error is None:
                     record.error = "stream_error"
                     record.error_detail = str(chunk["error"])[:300]
@@ -151,6 +161,7 @@ async def plain_request(
                 usage = reply.get("usage") or {}
                 record.prompt_tokens = usage.get("prompt_tokens")
                 record.output_tokens = usage.get("completion_tokens")
+                record.cached_prompt_tokens = cache_hits(usage)
                 choices = reply.get("choices") or [{}]
                 record.finish_reason = choices[0].get("finish_reason")
     except TimeoutError:

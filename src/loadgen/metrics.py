@@ -39,6 +39,9 @@ DEFINITIONS: dict[str, str] = {
     "serve --goodput, after DistServe); slo_attainment is their share of all requests sent (errors count as "
     "misses, as in GuideLLM).",
     "tokens_per_second_per_user": "1000 / median TPOT in ms: the decode speed a typical user sees.",
+    "prompt_cache_hit_rate": "prompt tokens the server reported as prefix-cache hits (usage.prompt_cache_hit_tokens, "
+    "else prompt_tokens_details.cached_tokens) over the prompt tokens of the requests that reported them; null when "
+    "none did.",
     "cost": "USD per million output tokens = gpu_hour_price * gpus / 3600 / output tokens per second * 1e6, at "
     "this load point's throughput (and at its goodput, counting only tokens of requests that met the SLO).",
     "achieved_concurrency": "sum of end-to-end latencies / window: the mean number of requests in flight.",
@@ -118,6 +121,9 @@ def compute_metrics(
     per_second = 1.0 / duration if duration > 0 else 0.0
     output_tokens = sum(r.tokens for r in ok)
     input_known = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    cache_known = [(r.prompt_tokens, r.cached_prompt_tokens) for r in ok if r.cached_prompt_tokens is not None]
+    cache_hits = sum(hits for _, hits in cache_known)
+    cache_prompt = sum(prompt or 0 for prompt, _ in cache_known)
     tpots = [t for r in ok if (t := tpot(r)) is not None]
     tpot_summary = summarize(tpots, 1000.0)
     errors = Counter(r.error for r in records if r.error)
@@ -138,6 +144,7 @@ def compute_metrics(
         "achieved_concurrency": sum(e2el(r) for r in records) * per_second,
         "tokens": {
             "input_total": sum(input_known),
+            "input_cache_hit_total": cache_hits,
             "output_total": output_tokens,
             "input_per_request": summarize(input_known),
             "output_per_request": summarize([r.tokens for r in ok]),
@@ -155,6 +162,7 @@ def compute_metrics(
         "itl_ms": summarize([gap for r in ok for gap in itls(r)], 1000.0),
         "e2el_ms": summarize([e2el(r) for r in ok], 1000.0),
         "tokens_per_second_per_user": 1000.0 / tpot_summary["p50"] if tpot_summary["p50"] else None,
+        "prompt_cache_hit_rate": cache_hits / cache_prompt if cache_prompt else None,
         "goodput": None,
         "cost": None,
     }

@@ -32,6 +32,10 @@ def _num(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{100 * ratio:.1f}%"
+
+
 LATENCY_ROWS = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2el_ms"))
 
 
@@ -60,7 +64,7 @@ def throughput_tables(runs: list[dict[str, Any]]) -> list[Table]:
         table = tables.get(run["model"])
         if table is None:
             table = tables[run["model"]] = Table(title=f"{run['model']}: throughput", header_style="bold")
-            for name in ("load", "ok/sent", "req/s", "tok/s", "tok/s/user", "goodput", "USD/Mtok"):
+            for name in ("load", "ok/sent", "req/s", "tok/s", "tok/s/user", "cache hits", "goodput", "USD/Mtok"):
                 table.add_column(name, justify="left" if name == "load" else "right")
         m = run["metrics"]
         goodput, cost = m["goodput"], m["cost"]
@@ -70,6 +74,7 @@ def throughput_tables(runs: list[dict[str, Any]]) -> list[Table]:
             _num(m["request_throughput"], 2),
             _num(m["output_throughput"], 0),
             _num(m["tokens_per_second_per_user"], 1),
+            _percent(m["prompt_cache_hit_rate"]),
             f"{goodput['request_goodput']:.2f} {100 * goodput['slo_attainment']:.0f}%" if goodput else "-",
             _num(cost["usd_per_million_output_tokens"], 3) if cost else "-",
         )
@@ -105,6 +110,7 @@ def write_requests(path: Path, rows: list[tuple[str, int, RequestRecord]]) -> No
                         "token_times": [round(t, 6) for t in record.token_times],
                         "prompt_tokens": record.prompt_tokens,
                         "output_tokens": record.output_tokens,
+                        "cached_prompt_tokens": record.cached_prompt_tokens,
                         "max_tokens": record.max_tokens,
                         "finish_reason": record.finish_reason,
                         "error": record.error,
@@ -142,6 +148,7 @@ def markdown_report(results: dict[str, Any]) -> str:
         "req/s",
         "out tok/s",
         "tok/s/user",
+        "prompt cache hits",
         "TTFT ms p50/p95/p99",
         "TPOT ms p50/p95/p99",
         "ITL ms p50/p95/p99",
@@ -164,6 +171,7 @@ def markdown_report(results: dict[str, Any]) -> str:
                     _num(m["request_throughput"], 2),
                     _num(m["output_throughput"], 0),
                     _num(m["tokens_per_second_per_user"], 1),
+                    _percent(m["prompt_cache_hit_rate"]),
                     _ms(m["ttft_ms"], "p50", "p95", "p99"),
                     _ms(m["tpot_ms"], "p50", "p95", "p99"),
                     _ms(m["itl_ms"], "p50", "p95", "p99"),

@@ -47,12 +47,15 @@ def test_chat_text_frames_are_openai_chunks(text: str) -> None:
     assert parse(fmt.frame(Finish(0, "length"))) == chat_chunk(
         "fp_a", [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]
     )
-    assert parse(fmt.usage_frame(Usage(3, 4, 2))) == {
+    assert parse(fmt.usage_frame(Usage(3, 4, 2, cached_tokens=1))) == {
         **chat_chunk("fp_a", []),
         "usage": {
             "prompt_tokens": 3,
             "completion_tokens": 4,
             "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 1},
+            "prompt_cache_hit_tokens": 1,
+            "prompt_cache_miss_tokens": 2,
             "completion_tokens_details": {"reasoning_tokens": 2},
         },
     }
@@ -118,5 +121,12 @@ def test_completion_text_frames_are_openai_chunks(text: str) -> None:
     assert parse(fmt.usage_frame(Usage(1, 2))) == {
         **head,
         "choices": [],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+        "usage": {
+            "prompt_tokens": 1,
+            "completion_tokens": 2,
+            "total_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_cache_hit_tokens": 0,
+            "prompt_cache_miss_tokens": 1,
+        },
     }

@@ -140,6 +140,8 @@ def test_results_json_matches_its_schema_and_records_the_configuration(sweep: tu
     assert config["models"] == [MODEL] and config["concurrency"] == [1, 3] and config["output_len"] == "fixed:25"
     assert config["slo"] == {"ttft": 2000.0, "tpot": 100.0} and config["gpus"] == 8
     assert "vllm bench serve" in results["definitions"]["ttft"]
+    # The gateway reports its engine's cache hits (none: no prefix cache there), so the rate is known and 0.
+    assert all(run["metrics"]["prompt_cache_hit_rate"] == 0.0 for run in results["runs"])
 
 
 def test_schema_rejects_results_missing_a_metric(sweep: tuple[Path, str]) -> None:

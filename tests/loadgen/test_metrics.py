@@ -112,3 +112,16 @@ def test_cost_per_million_output_tokens(metrics: dict) -> None:
 def test_no_slo_and_no_price_leave_goodput_and_cost_empty() -> None:
     metrics = compute_metrics([A, D])
     assert metrics["goodput"] is None and metrics["cost"] is None
+
+
+def test_prompt_cache_hit_rate_counts_only_requests_whose_server_reported_hits(metrics: dict) -> None:
+    assert metrics["prompt_cache_hit_rate"] is None  # no request reported cache hits: unknown, not 0
+    assert metrics["tokens"]["input_cache_hit_total"] == 0
+    warm = RequestRecord(4, 1, start=0.0, end=0.1, first_chunk=0.05, token_times=[0.05], prompt_tokens=64)
+    warm.cached_prompt_tokens = 48
+    cold = RequestRecord(5, 1, start=0.0, end=0.1, first_chunk=0.05, token_times=[0.05], prompt_tokens=64)
+    cold.cached_prompt_tokens = 0
+    silent = RequestRecord(6, 1, start=0.0, end=0.1, first_chunk=0.05, token_times=[0.05], prompt_tokens=64)
+    found = compute_metrics([warm, cold, silent])
+    assert found["tokens"]["input_cache_hit_total"] == 48
+    assert found["prompt_cache_hit_rate"] == pytest.approx(48 / 128)  # the silent request's prompt is left out

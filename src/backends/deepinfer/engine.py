@@ -78,6 +78,11 @@ class DeepInferEngine:
         )
         self._get_prompt_logprobs = r.get_prompt_logprobs
         self._scoring: set[str] = set()  # requests that asked for prompt logprobs and have not had them yet
+        self._cached: dict[str, int] = {}  # requests added with a computed prefix, until their first output
+        self.prompt_tokens = 0
+        """Prompt tokens of the requests added (what a prefix cache was asked about)."""
+        self.cached_tokens = 0
+        """Of those, the tokens the engine already held computed when the request was added."""
         self._get_draft_tok = r.get_draft_tok
         self._get_accept_tok = r.get_accept_tok
         self._speculative = speculative_tokens > 0
@@ -118,9 +123,19 @@ class DeepInferEngine:
             # The grammar compiler starts on first use and refuses when this GPU's CPU share is too small: a
             # failure of this request's feature, not of the engine every other request runs on.
             raise UpstreamError(f"structured outputs are unavailable on this engine: {exc}") from exc
-        if structured and sequence is not None:
+        if sequence is None:
+            return None
+        self.prompt_tokens += len(prompt)
+        # The engine's own per-request count: the prompt tokens whose KV this sequence already holds (its
+        # ``cache.num_tokens``), read before any step prefills it. DeepInfer 0.1.0 gives a new sequence none: only a
+        # scheduler fork (``fork_seq``, unused from Python) starts one with a computed prefix.
+        cached = int(sequence.num_cached_tokens)
+        if cached:
+            self._cached[request_id] = cached
+            self.cached_tokens += cached
+        if structured:
             self._compiling[request_id] = sequence
-        if sequence is not None and sampling_params is not None and sampling_params.get("prompt_logprobs"):
+        if sampling_params is not None and sampling_params.get("prompt_logprobs"):
             self._scoring.add(request_id)
         return sequence
 
@@ -129,6 +144,9 @@ class DeepInferEngine:
         result = self.llm_engine.abort_request(ids)
         if self._scoring:
             self._scoring.difference_update(ids)
+        if self._cached:
+            for rid in ids:
+                self._cached.pop(rid, None)
         if self._compiling:
             for rid in ids:
                 sequence = self._compiling.pop(rid, None)
@@ -177,6 +195,18 @@ class DeepInferEngine:
                 stats.preempted,
             ),
             MetricSample(
+                "engine_prefix_cache_queried_tokens",
+                "counter",
+                "Prompt tokens of the requests added to the engine.",
+                self.prompt_tokens,
+            ),
+            MetricSample(
+                "engine_prefix_cache_hit_tokens",
+                "counter",
+                "Of those, the tokens the engine already held computed (its per-sequence num_cached_tokens).",
+                self.cached_tokens,
+            ),
+            MetricSample(
                 "engine_aborted_requests",
                 "counter",
                 "Requests aborted inside the engine (client gone, stop string, shutdown).",
@@ -223,6 +253,8 @@ class DeepInferEngine:
         )
         if self._scoring:
             self._read_prompt_logprobs(ps, outputs)
+        if self._cached:
+            self._attach_cached_tokens(outputs)
         if self._speculative:
             # draft_tok / accept_tok are set on a request's last output of the step (verified + 1, accepted + 1)
             # and are 0 on its other outputs, so summing over every output counts each verification once.
@@ -243,6 +275,16 @@ class DeepInferEngine:
                 scoring.discard(out.request_id)
                 values = self._get_prompt_logprobs(pointers[position])
                 outputs[position] = out._replace(prompt_logprobs=list(values))
+
+    def _attach_cached_tokens(self, outputs: list[EngineOutput]) -> None:
+        """A request's cached prompt tokens ride on its first output, as the driver above expects them."""
+        cached = self._cached
+        for position, out in enumerate(outputs):
+            hit = cached.pop(out.request_id, None)
+            if hit is not None:
+                outputs[position] = out._replace(num_cached_tokens=hit)
+                if not cached:
+                    return
 
     def _after_step(self) -> None:
         """Per-step housekeeping: a few O(1) engine calls, plus a walk over grammar requests while any exist."""

@@ -35,6 +35,7 @@ class EngineRun:
 
     __slots__ = (
         "_abort",
+        "_cached",
         "_chat",
         "_choices",
         "_echo_text",
@@ -81,6 +82,7 @@ class EngineRun:
         self._remaining = len(engine_ids)
         self._echoed = [not scoring] * len(engine_ids)  # scoring: a choice's first output carries the prompt's scores
         self._prompt_unreported = True
+        self._cached: list[int | None] = [None] * len(engine_ids)  # each choice's cached prompt tokens
         self._ended = False
         self._job: tuple[int, Sequence[EngineOutput], asyncio.Future[list[PromptToken]]] | None = None
         self._pending: deque[Event] = deque()
@@ -152,6 +154,8 @@ class EngineRun:
         if isinstance(item, BackendError):
             self._live.discard(self._engine_ids[index])
             raise blame_constraint(item, self._chat)
+        if self._cached[index] is None:  # the first output carries the prompt's cache hits
+            self._cached[index] = item[0].num_cached_tokens
         if not self._echoed[index]:  # the prompt step's output carries the prompt logprobs
             self._echoed[index] = True
             if item[0].finished:
@@ -205,10 +209,12 @@ class EngineRun:
 
     def _usage(self) -> Usage:
         prompt = len(self._prompt_ids)
+        # The prompt is counted once for all choices: its hits are those every choice's engine request had.
+        cached = min((c for c in self._cached if c is not None), default=0)
         if self._score_only:
-            return Usage(prompt, 0, None)
+            return Usage(prompt, 0, None, cached)
         reasoning = sum(c.reasoning_tokens for c in self._choices) if self._reasoning else None
-        return Usage(prompt, sum(c.tokens for c in self._choices), reasoning)
+        return Usage(prompt, sum(c.tokens for c in self._choices), reasoning, cached)
 
 
 class EngineEvents:

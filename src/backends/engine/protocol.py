@@ -32,6 +32,9 @@ class EngineOutput(NamedTuple):
     prompt_logprobs: Sequence[float] | None = None
     """On a request's first output, when it asked for ``prompt_logprobs``: element ``i`` is the logprob of prompt
     token ``i + 1`` given the tokens before it (DeepInfer's ``get_prompt_logprobs``, ``prompt_len - 1`` floats)."""
+    num_cached_tokens: int = 0
+    """On a request's first output: the prompt tokens the engine found already computed when it scheduled the
+    prompt (its prefix-cache hits, DeepInfer's ``Sequence.num_cached_tokens`` then); 0 on later outputs."""
 
 
 class FinishReason:

@@ -137,7 +137,8 @@ class LMDeployBackend:
         if prompt_tokens is not None and len(done) == request.n:
             reasoning = [d.reasoning_tokens for d in done if d.reasoning_tokens is not None]
             completion = sum(d.completion_tokens for d in done)
-            yield Usage(prompt_tokens, completion, sum(reasoning) if reasoning else None)
+            cached = min(d.cached_tokens for d in done)  # the prompt is counted once: the hits every choice had
+            yield Usage(prompt_tokens, completion, sum(reasoning) if reasoning else None, cached)
 
     async def _merged(
         self, request: GenerateRequest, plan: UpstreamPlan, model: str | None, progress: _Progress

@@ -209,6 +209,7 @@ class ChoiceStream:
 
     __slots__ = (
         "byte_level",
+        "cached_tokens",
         "chat",
         "completions",
         "finish_reason",
@@ -245,6 +246,7 @@ class ChoiceStream:
         self.tokens = 0  # completion tokens seen (token ids streamed)
         self.reported = 0  # of those, the tokens the deltas so far accounted for
         self.usage: tuple[int, int] | None = None  # (prompt, completion) as LMDeploy reported them
+        self.cached_tokens = 0  # of the prompt, the node's prefix-cache hits (``prompt_tokens_details``), if reported
         self.reasoning_tokens: int | None = None  # reported when the node runs a reasoning parser
         self.finish_reason: str | None = None
         self.finished = False
@@ -280,6 +282,9 @@ class ChoiceStream:
         usage = chunk.get("usage")
         if usage:
             self.usage = (_count(usage.get("prompt_tokens", 0)), _count(usage.get("completion_tokens", 0)))
+            prompt_details = usage.get("prompt_tokens_details")
+            if prompt_details and prompt_details.get("cached_tokens") is not None:
+                self.cached_tokens = _count(prompt_details["cached_tokens"])
             details = usage.get("completion_tokens_details")
             if details and details.get("reasoning_tokens") is not None:
                 self.reasoning_tokens = _count(details["reasoning_tokens"])

@@ -33,6 +33,7 @@ class ChoiceDone(NamedTuple):
     prompt_tokens: int | None
     completion_tokens: int
     reasoning_tokens: int | None
+    cached_tokens: int = 0  # of the prompt, the node's prefix-cache hits as it reported them (0 if it did not)
 
 
 class StreamWatchdog:
@@ -187,7 +188,8 @@ class UpstreamClient:
                         response.close()  # stop the engine before asking the node to count
                     prompt_tokens = await self.count_prompt_tokens(node, request, upstream_model)
             reasoning_tokens = None if stream.stopped_early else stream.reasoning_tokens
-            yield ChoiceDone(index, prompt_tokens, completion_tokens, reasoning_tokens)
+            cached_tokens = min(stream.cached_tokens, prompt_tokens or 0)
+            yield ChoiceDone(index, prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens)
         finally:
             node.in_flight -= 1
             node.request_seconds += loop.time() - started

@@ -43,6 +43,8 @@ def _make_engine(config: ReferenceBackendConfig, seed: int | None) -> ReferenceE
             prefill_seconds_per_token=config.timing.prefill_seconds_per_token,
             decode_seconds_per_step=config.timing.decode_seconds_per_step,
             tokens_per_step=config.timing.tokens_per_step,
+            prefix_cache_tokens=config.prefix_cache_tokens,
+            prefix_cache_block_size=config.prefix_cache_block_size,
         )
     )
 

@@ -36,12 +36,13 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from backends.engine.protocol import EOS_TOKEN_ID, EngineOutput, FinishReason
+from backends.engine.protocol import EOS_TOKEN_ID, EngineOutput, FinishReason, MetricSample
 
 from .artifacts import load_or_build
 from .batch import RunningBatch
 from .decoder import BatchDecoder
 from .model import NGramModel
+from .prefix_cache import PrefixCache
 from .prompt_scoring import attach_prompt_logprobs, prompt_logprobs
 from .sampling_params import SamplingParams
 from .sequence import ReferenceSequence, SequenceStatus
@@ -64,10 +65,14 @@ class ReferenceEngineArgs:
     prefill_seconds_per_token: float = 0.0
     decode_seconds_per_step: float = 0.0
     tokens_per_step: int = 1  # accepted tokens per decode step, imitating speculative decoding
+    prefix_cache_tokens: int = 0  # prompt tokens the prefix cache keeps (LRU, in whole blocks); 0: no prefix cache
+    prefix_cache_block_size: int = 16  # tokens per cached block: a hit is a whole number of blocks
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.max_num_seqs < 1 or self.tokens_per_step < 1:
             raise ValueError("max_model_len, max_num_seqs and tokens_per_step must be at least 1")
+        if self.prefix_cache_tokens < 0 or self.prefix_cache_block_size < 1:
+            raise ValueError("prefix_cache_tokens must be non-negative and prefix_cache_block_size at least 1")
         if self.prefill_seconds_per_token < 0 or self.decode_seconds_per_step < 0:
             raise ValueError("timing model durations must be non-negative")
 
@@ -104,6 +109,10 @@ class ReferenceEngine:
         self._structured = StructuredOutputs(tokenizer, model, EOS_TOKEN_ID)
         self._decoder = BatchDecoder(model, self._structured, args.max_model_len, args.tokens_per_step)
         self._timing = TimingModel(args.prefill_seconds_per_token, args.decode_seconds_per_step)
+        blocks = args.prefix_cache_tokens // args.prefix_cache_block_size
+        self.prefix_cache = PrefixCache(args.prefix_cache_block_size, blocks) if blocks else None
+        self.prefix_cache_queried_tokens = 0  # prompt tokens of the requests admitted so far
+        self.prefix_cache_hit_tokens = 0  # of those, the tokens found in the prefix cache (not prefilled)
 
     @classmethod
     def from_engine_args(cls, args: ReferenceEngineArgs) -> ReferenceEngine:
@@ -159,6 +168,8 @@ class ReferenceEngine:
         if so_args is not None:
             check_so_args(so_args)
         seq = ReferenceSequence(user_id, request_id, params, prompt, self.model.region_after(prompt))
+        if self.prefix_cache is not None:
+            seq.block_keys = self.prefix_cache.block_keys(prompt)
         if params.prompt_logprobs:
             seq.prompt_logprobs = prompt_logprobs(self.model, prompt, self._background)
         self._live[request_id] = seq
@@ -238,11 +249,13 @@ class ReferenceEngine:
         started = time.perf_counter()
         outputs = self._take_pending()
         num_old = len(self._running.seqs)
-        prefill_tokens, scored = self._admit(outputs)
+        prefill_tokens, scored, cached = self._admit(outputs)
         if self._running.seqs:
             self._decode(outputs, num_old)
         if scored:
             attach_prompt_logprobs(outputs, scored)
+        if cached:
+            attach_cached_tokens(outputs, cached)
         self._timing.pace(started, prefill_tokens, bool(num_old))
         return outputs
 
@@ -253,10 +266,11 @@ class ReferenceEngine:
             self._live.pop(out.request_id, None)
         return outputs
 
-    def _admit(self, outputs: list[EngineOutput]) -> tuple[int, dict[str, list[float]]]:
+    def _admit(self, outputs: list[EngineOutput]) -> tuple[int, dict[str, list[float]], dict[str, int]]:
         """FIFO admission: too-long prompts finish as ``prompt_length_exceeded``; the rest fill free slots.
 
-        Returns the prefill token count and the prompt logprobs of admitted requests that asked for them.
+        Returns the prefill token count (prompt tokens not found in the prefix cache), the prompt logprobs of
+        admitted requests that asked for them, and the cached prompt tokens of those that hit the prefix cache.
         """
         admitted: list[ReferenceSequence] = []
         free = self.max_num_seqs - len(self._running.seqs)
@@ -281,10 +295,50 @@ class ReferenceEngine:
             seq.status = SequenceStatus.RUNNING
             admitted.append(seq)
             prefill_tokens += seq.prompt_len
+        cached: dict[str, int] = {}
         if admitted:
             self._running.admit(admitted, self.model.top_k)
+            self.prefix_cache_queried_tokens += prefill_tokens
+            if self.prefix_cache is not None:
+                cached = self._reuse_prefixes(admitted)
+                prefill_tokens -= sum(cached.values())
         scored = {s.request_id: s.prompt_logprobs for s in admitted if s.prompt_logprobs is not None}
-        return prefill_tokens, scored
+        return prefill_tokens, scored, cached
+
+    def _reuse_prefixes(self, admitted: list[ReferenceSequence]) -> dict[str, int]:
+        """The cached prompt tokens of each admitted request that hit; then every admitted prompt's blocks are
+        cached (after all lookups: requests prefilled in the same step do not share their work)."""
+        cache = self.prefix_cache
+        assert cache is not None
+        cached: dict[str, int] = {}
+        for seq in admitted:
+            hit = cache.lookup(seq.block_keys)
+            if hit:
+                cached[seq.request_id] = hit
+        for seq in admitted:
+            cache.insert(seq.block_keys)
+            seq.block_keys = []
+        self.prefix_cache_hit_tokens += sum(cached.values())
+        return cached
+
+    # ---- metrics --------------------------------------------------------------------------------------------
+
+    def metric_samples(self) -> list[MetricSample]:
+        """Prefix-cache counters for ``/metrics`` (plain ints the engine thread updates; read from any thread)."""
+        return [
+            MetricSample(
+                "engine_prefix_cache_queried_tokens",
+                "counter",
+                "Prompt tokens of the requests the engine admitted (looked up in its prefix cache).",
+                self.prefix_cache_queried_tokens,
+            ),
+            MetricSample(
+                "engine_prefix_cache_hit_tokens",
+                "counter",
+                "Of those, the prompt tokens found in the prefix cache, whose prefill was skipped.",
+                self.prefix_cache_hit_tokens,
+            ),
+        ]
 
     def _decode(self, outputs: list[EngineOutput], num_old: int) -> None:
         """One decode round (``BatchDecoder.decode``); finished requests leave the batch."""
@@ -295,3 +349,13 @@ class ReferenceEngine:
                 seq = running.seqs[row]
                 del self._live[seq.request_id]
             running.retain(~done)
+
+
+def attach_cached_tokens(outputs: list[EngineOutput], cached: dict[str, int]) -> None:
+    """Put each request's cached prompt tokens on its first output (the prompt step's)."""
+    for position, out in enumerate(outputs):
+        hit = cached.pop(out.request_id, None)
+        if hit is not None:
+            outputs[position] = out._replace(num_cached_tokens=hit)
+            if not cached:
+                return

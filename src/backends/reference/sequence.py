@@ -30,6 +30,7 @@ class ReferenceSequence:
     """What ``add_request`` returns (DeepInfer returns its C++ ``Sequence``): identity, status, lengths."""
 
     __slots__ = (
+        "block_keys",
         "last_prompt_token",
         "params",
         "prev1",
@@ -57,6 +58,7 @@ class ReferenceSequence:
         self.region = region
         self.status = SequenceStatus.WAITING
         self.prompt_logprobs: list[float] | None = None  # sent on the first output, if the request asked
+        self.block_keys: list[bytes] = []  # its prompt's prefix-cache keys until admitted (with a prefix cache)
 
     def synthetic_output(self, reason: str) -> EngineOutput:
         """The single output of a request that never ran: its last prompt token, never to be detokenized."""

@@ -185,11 +185,16 @@ class MessagesFormat:
         return "end_turn", None
 
     def _usage(self, usage: Usage | None) -> dict[str, Any]:
+        """Anthropic's usage: ``input_tokens`` are the prompt tokens not read from the cache, as Anthropic counts
+        them, beside DeepSeek's hit and miss fields (which make the whole prompt)."""
+        prompt, cached = (usage.prompt_tokens, usage.cached_tokens) if usage is not None else (0, 0)
         body: dict[str, Any] = {
-            "input_tokens": usage.prompt_tokens if usage is not None else 0,
+            "input_tokens": prompt - cached,
             "output_tokens": usage.completion_tokens if usage is not None else 0,
             "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "prompt_cache_hit_tokens": cached,
+            "prompt_cache_miss_tokens": prompt - cached,
         }
         if usage is not None and usage.reasoning_tokens is not None:
             body["output_tokens_details"] = {"thinking_tokens": usage.reasoning_tokens}

@@ -24,10 +24,14 @@ def sse_frame(payload: dict[str, Any]) -> bytes:
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage with DeepSeek's cache fields (hits plus misses make the prompt tokens)."""
     body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_cache_hit_tokens": usage.cached_tokens,
+        "prompt_cache_miss_tokens": usage.prompt_tokens - usage.cached_tokens,
     }
     if usage.reasoning_tokens is not None:
         body["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}

@@ -29,10 +29,12 @@ Frames = list[bytes] | None  # where stream events go; None when building a whol
 def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_cache_hit_tokens": usage.cached_tokens,
+        "prompt_cache_miss_tokens": usage.prompt_tokens - usage.cached_tokens,
     }
 
 

@@ -163,6 +163,43 @@ def test_speculative_metrics_are_absent_when_drafting_is_off(model_dir: Path) ->
     engine.close()
 
 
+def test_cached_tokens_are_the_sequences_own_count_before_its_prefill(model_dir: Path) -> None:
+    """DeepInfer 0.1.0 computes every new sequence's prompt (nothing is cached when it is added): no hits, though its
+    ``num_cached_tokens`` reads the whole prompt once prefilled (reading it then would invent hits)."""
+    engine = start(model_dir)
+    prompt = ids(engine, "alpha beta gamma delta epsilon zeta eta theta")
+    sequences = [add(engine, name, prompt, max_tokens=3) for name in ("first", "again")]
+    outputs = run(engine)
+    assert all(int(s.num_cached_tokens) >= len(prompt) for s in sequences)  # type: ignore[attr-defined]
+    assert [o.num_cached_tokens for o in outputs] == [0] * len(outputs)
+    samples = {s.name: s.value for s in engine.metric_samples()}
+    assert samples["engine_prefix_cache_queried_tokens"] == 2 * len(prompt)
+    assert samples["engine_prefix_cache_hit_tokens"] == 0
+    engine.close()
+
+
+def test_a_sequence_added_with_a_computed_prefix_reports_it_on_its_first_output(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence that starts with computed KV (as a scheduler fork does) reports it once, as the engine counted it."""
+    from deepinfer.engine import llm_engine
+
+    engine = start(model_dir)
+    original = llm_engine.LLMEngine.add_request
+
+    def add_forked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sequence = original(self, *args, **kwargs)
+        sequence.num_cached_tokens = 32  # what fork_seq leaves in cache.num_tokens
+        return sequence
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "add_request", add_forked)
+    add(engine, "forked", ids(engine, "alpha " * 40), max_tokens=3)
+    outputs = run(engine)
+    assert [o.num_cached_tokens for o in outputs] == [32, 0, 0]
+    assert {s.name: s.value for s in engine.metric_samples()}["engine_prefix_cache_hit_tokens"] == 32
+    engine.close()
+
+
 # ---- start-up failures -------------------------------------------------------------------------------------------
 
 

@@ -111,7 +111,14 @@ def test_completions_with_text_and_token_prompts_conform(http: httpx.Client, sch
     reply = http.post("/v1/completions", json={"model": PUBLIC_MODEL, "prompt": "The quick brown fox"}).json()
     schemas.check("CreateCompletionResponse", reply)
     assert reply["choices"][0]["text"] == "The quick brown fox"
-    assert reply["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert reply["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 4,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},  # the node reported no hits: none are claimed
+        "prompt_cache_hit_tokens": 0,
+        "prompt_cache_miss_tokens": 4,
+    }
     body = {"model": PUBLIC_MODEL, "prompt": [[315, 441], [288]], "max_tokens": 5}
     _, chunks = stream_chunks(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     for chunk in chunks:
@@ -313,3 +320,21 @@ def test_a_key_that_hangs_up_or_whose_stream_fails_pays_for_what_it_read(node: H
         assert remaining_tokens(response) == tpm - spent - (prompt_estimate(probe) + 4), "the headers tell the same"
     finally:
         stop_gateway(running)
+
+
+def test_cache_hits_are_what_the_node_reported_and_none_when_it_reported_none(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    def cache_fields(usage: dict[str, Any]) -> tuple[int, int, int]:
+        assert usage["prompt_cache_hit_tokens"] + usage["prompt_cache_miss_tokens"] == usage["prompt_tokens"]
+        return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_cache_hit_tokens"], usage["prompt_tokens"]
+
+    hit = client.chat.completions.create(model=PUBLIC_MODEL, messages=messages("Hello there [[stub cached=5]]"))
+    assert hit.usage is not None
+    assert cache_fields(hit.usage.model_dump())[:2] == (5, 5)
+    body = {"model": PUBLIC_MODEL, "messages": messages("Hello there [[stub cached=5]]")}
+    _, chunks = stream_chunks(http, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    assert cache_fields(chunks[-1]["usage"])[:2] == (5, 5)
+    miss = client.chat.completions.create(model=PUBLIC_MODEL, messages=messages("Hello there"))
+    assert miss.usage is not None
+    assert cache_fields(miss.usage.model_dump()) == (0, 0, miss.usage.prompt_tokens)

@@ -212,6 +212,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.output_token_ids: list[int] = []
         self.blocks = 0
+        self.num_cached_tokens = 0  # tokens with computed KV (DeepInfer's ``cache.num_tokens``): none before prefill
         self.schedulable = multi_modal_data is None
         self.holds_slot = False  # finished after running: still in DeepInfer's ``running`` until a decode schedule
         self.echo: list[int] = []  # the double's "model": which tokens this request repeats

@@ -396,6 +396,7 @@ class LLMEngine:
             scheduler.waiting.popleft()
             scheduler.free_blocks -= need
             seq.blocks = need
+            seq.num_cached_tokens = seq.get_len()  # the prefill computes the whole prompt
             seq.status = SequenceStatus.RUNNING
             scheduler.running.append(seq)
             records += self._emit(seq, 1, 1, 1)
@@ -432,6 +433,7 @@ class LLMEngine:
             scheduler.ignored.append(seq)
         else:
             seq.status = SequenceStatus.WAITING  # recomputed later, generation continues
+            seq.num_cached_tokens = 0
             scheduler.waiting.appendleft(seq)
 
     def _next_token(self, seq: Sequence) -> int:
