@@ -670,3 +670,16 @@ def test_penalties_are_ignored_in_thinking_mode_and_refused_outside_it(http: htt
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1, penalty: 0.5}
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == penalty
+
+
+def test_thinking_mode_samples_at_temperature_one_whatever_the_request_asks(http: httpx.Client) -> None:
+    """As deepseek-recipe and DeepSeek's API: temperature 0 is honoured outside thinking mode (every seed gives the
+    greedy answer) and ignored in it (the seed decides, as at temperature 1.0)."""
+
+    def text(seed: int, **fields: Any) -> str:
+        message = chat(http, temperature=0, seed=seed, max_tokens=24, ignore_eos=True, **fields)["choices"][0]
+        return (message["message"].get("reasoning_content") or "") + (message["message"]["content"] or "")
+
+    assert len({text(seed, thinking={"type": "disabled"}) for seed in (1, 2, 3)}) == 1
+    assert len({text(seed, thinking={"type": "enabled"}) for seed in (1, 2, 3)}) == 3
+    assert text(5, thinking={"type": "enabled"}) == text(5, thinking={"type": "enabled"}), "seeded: reproducible"

@@ -20,6 +20,7 @@ Thinking mode, first rule that applies (DeepSeek's order, then vLLM's switches):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Mapping, Sequence
@@ -48,7 +49,7 @@ from backends.deepseek.schema_checks import ConstraintLimitError, check_constrai
 from backends.deepseek.tool_call_grammar import ToolSchemaError, tool_call_grammar
 from backends.engine.prompts import ChatPrompt
 from backends.errors import InvalidRequestError
-from backends.interface import REQUEST_FEATURES, GenerateRequest
+from backends.interface import REQUEST_FEATURES, GenerateRequest, SamplingOptions
 
 OUTPUT_MARKERS = (
     THINK_START,
@@ -65,6 +66,9 @@ them (or pieces of them, such as ``｜DSML｜``) as special tokens, while other 
 
 THINKING_SWITCHES = ("thinking", "enable_thinking")
 CHAT_TEMPLATE_KWARGS = frozenset({*THINKING_SWITCHES, "drop_thinking"})
+
+THINKING_TEMPERATURE = 1.0
+"""The temperature DeepSeek samples thinking mode at, whatever the request asks (deepseek-recipe, DeepSeek's API)."""
 
 
 class DeepSeekV41ChatTemplate:
@@ -188,10 +192,16 @@ class DeepSeekV41ChatTemplate:
             return True, chosen
         return self.default_thinking and not forced_call, chosen
 
-    def ignores_penalties(self, request: GenerateRequest) -> bool:
-        """DeepSeek ignores ``presence_penalty`` and ``frequency_penalty`` in thinking mode, without an error."""
+    def served_sampling(self, request: GenerateRequest) -> SamplingOptions:
+        """In thinking mode DeepSeek samples at temperature 1.0 and ignores ``presence_penalty`` and
+        ``frequency_penalty``, whatever the request says and without an error (deepseek-recipe's
+        ``inference_options``, DeepSeek's API); outside it the request's own sampling."""
         forced = request.tool_choice == "required" or isinstance(request.tool_choice, Mapping)
-        return self.thinking_mode(request, forced_call=forced and bool(request.tools))[0]
+        if not self.thinking_mode(request, forced_call=forced and bool(request.tools))[0]:
+            return request.sampling
+        return dataclasses.replace(
+            request.sampling, temperature=THINKING_TEMPERATURE, presence_penalty=0.0, frequency_penalty=0.0
+        )
 
     def bind_tokenizer(self, tokenizer: Tokenizer) -> None:
         """Builds the library's encoding for the engine's tokenizer and warms it, before the first request."""

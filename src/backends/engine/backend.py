@@ -21,8 +21,8 @@ from backends.engine.events import EngineEvents, EngineRun
 from backends.engine.prompts import (
     DEFAULT_PREPARE_THREADS,
     ChatTemplate,
-    PenaltyIgnoringTemplate,
     PromptPreparer,
+    SamplingPolicyTemplate,
     TokenizerBoundTemplate,
 )
 from backends.engine.prompts import (
@@ -139,13 +139,10 @@ class EngineBackend:
         engine = self.driver.engine
         assert table is not None and engine is not None
         template = self._chat_template
-        if (
-            request.messages is not None
-            and isinstance(template, PenaltyIgnoringTemplate)
-            and template.ignores_penalties(request)
-        ):
-            neutral = dataclasses.replace(request.sampling, presence_penalty=0.0, frequency_penalty=0.0)
-            request = dataclasses.replace(request, sampling=neutral)
+        if request.messages is not None and isinstance(template, SamplingPolicyTemplate):
+            served = template.served_sampling(request)
+            if served is not request.sampling:
+                request = dataclasses.replace(request, sampling=served)
         reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
         prompt = await self._prompts.prepare(request)
         prompt_ids, chat = prompt.ids, prompt.chat

@@ -33,7 +33,7 @@ from backends.engine.detokenizer import TokenTable
 from backends.engine.protocol import Engine, StructuredOutputCompiler
 from backends.errors import ContextLengthExceededError, InvalidRequestError
 from backends.heap import release_free_heap
-from backends.interface import GenerateRequest, ToolCallDelta, TraceValue, traced_stage
+from backends.interface import GenerateRequest, SamplingOptions, ToolCallDelta, TraceValue, traced_stage
 
 DEFAULT_PREPARE_THREADS = 2
 INLINE_PROMPT_CHARS = 2048
@@ -108,11 +108,11 @@ class TokenizerBoundTemplate(Protocol):
 
 
 @runtime_checkable
-class PenaltyIgnoringTemplate(Protocol):
-    """A chat template whose model family ignores ``presence_penalty`` and ``frequency_penalty`` for some requests
-    (DeepSeek in thinking mode): those requests are served without them, and without an error."""
+class SamplingPolicyTemplate(Protocol):
+    """A chat template whose model family serves some requests with sampling of its own, whatever they ask, and
+    without an error (DeepSeek in thinking mode: temperature 1.0, no presence or frequency penalty)."""
 
-    def ignores_penalties(self, request: GenerateRequest) -> bool: ...
+    def served_sampling(self, request: GenerateRequest) -> SamplingOptions: ...
 
 
 class PreparedPrompt(NamedTuple):

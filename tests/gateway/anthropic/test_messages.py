@@ -143,12 +143,14 @@ def test_effort_and_budget_reach_v41s_prompt_only_in_thinking_mode(
 
 def test_omitted_thinking_is_signed_and_replays_its_reasoning(claude: anthropic.Anthropic, raw: httpx.Client) -> None:
     """``display: omitted`` sends no thinking text, only a signature that gives the model its reasoning back."""
+    # Greedy by top_k 1: thinking mode samples at temperature 1.0 whatever the request says, as DeepSeek does.
     asked: dict[str, Any] = {"model": MODEL, "max_tokens": 48, "messages": HI, "tools": [WEATHER]}
-    shown = claude.messages.create(**asked, thinking={"type": "adaptive"}, extra_body=GREEDY)
-    omitted = claude.messages.create(**asked, thinking={"type": "adaptive", "display": "omitted"}, extra_body=GREEDY)
+    greedy = {"top_k": 1}  # the SDK's create() takes it as an extra field too
+    shown = claude.messages.create(**asked, thinking={"type": "adaptive"}, extra_body=greedy)
+    omitted = claude.messages.create(**asked, thinking={"type": "adaptive", "display": "omitted"}, extra_body=greedy)
     assert shown.content[0].thinking, "greedy decoding: both requests reason alike"  # type: ignore[union-attr]
     assert omitted.content[0].type == "thinking" and omitted.content[0].thinking == ""  # type: ignore[union-attr]
-    streamed = {**asked, **GREEDY, "stream": True, "thinking": {"type": "adaptive", "display": "omitted"}}
+    streamed = {**asked, **greedy, "stream": True, "thinking": {"type": "adaptive", "display": "omitted"}}
     with raw.stream("POST", "/v1/messages", json=streamed) as response:
         events = checked_stream(list(response.iter_lines()))
     deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta" and e["index"] == 0]
