@@ -662,6 +662,13 @@ def test_user_id_up_to_512_characters(http: httpx.Client) -> None:
     assert response.status_code == 400 and response.json()["error"]["param"] == "user_id"
 
 
+def test_a_responses_user_up_to_512_characters(http: httpx.Client) -> None:
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 16, "store": False}
+    assert http.post("/v1/responses", json={**body, "user": "u" * 512}).status_code == 200
+    response = http.post("/v1/responses", json={**body, "user": "u" * 513})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "user"
+
+
 @pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
 def test_penalties_are_ignored_in_thinking_mode_and_refused_outside_it(http: httpx.Client, penalty: str) -> None:
     """As on DeepSeek's API, thinking mode takes the penalties without an error; the engine cannot apply them."""

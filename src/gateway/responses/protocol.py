@@ -106,7 +106,7 @@ class CreateResponseRequest(_Body):
     top_logprobs: WholeInt | None = Field(None, ge=0, le=20)
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=512, description="the end user's id; at most 512 characters, as DeepSeek")
     truncation: Literal["disabled", "auto"] | None = None
     seed: WholeInt | None = Field(None, ge=-(2**63), lt=2**64, description="extension: reproducible sampling")
     top_k: WholeInt | None = Field(None, ge=-1, description="extension: sample among the k most likely tokens")
