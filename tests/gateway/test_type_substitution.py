@@ -27,6 +27,7 @@ from gateway.responses.protocol import CreateResponseRequest
 from gateway.routes.tokenize import DetokenizeRequest, TokenizeRequest
 
 from ..conftest import RunningGateway, start_gateway, stop_gateway
+from .openai_types import json_kind
 
 MODEL = "substitution-model"
 SUBSTITUTES: dict[str, list[Any]] = {
@@ -215,20 +216,6 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
 """Each route's request model: every field it declares, set or not in the base bodies, gets every JSON type."""
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
-
-
 def _nodes(value: Any, path: str = "") -> Iterator[tuple[str, tuple[str | int, ...], Any]]:
     """Every node below ``value`` (not itself): its path as OpenAI writes it, its keys, and its value."""
     items = enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict) else ()
@@ -256,7 +243,7 @@ def substitutions(path: str) -> list[tuple[str, dict[str, Any]]]:
     for base in BASES[path]:
         for where, keys, value in _nodes(base):
             for kind, values in SUBSTITUTES.items():
-                if kind != _json_type(value):
+                if kind != json_kind(value):
                     cases.extend((where, _replaced(base, keys, new)) for new in values)
     covered = {name for base in BASES[path] for name in base}
     for name, field in REQUEST_MODELS[path].model_fields.items():
