@@ -83,13 +83,13 @@ class RequestContextMiddleware:
         header = (_REQUEST_ID, request_id.encode())
         span = self.tracing.start_request(scope, request_id) if self.tracing is not None else None
 
-        started = False
+        responding = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, started
+            nonlocal status, responding
             if message["type"] == "http.response.start":
                 status = message["status"]
-                started = True
+                responding = True
                 message["headers"] = [*message.get("headers", []), header]
             await send(message)
 
@@ -135,7 +135,7 @@ class RequestContextMiddleware:
                 # connection that stays usable (an exception left to the server would close it after the answer).
                 # A response already under way cannot be answered: the server closes its connection.
                 error = unexpected_error(exc, scope["path"], log)
-                if started:
+                if responding:
                     raise
                 await _send_error(scope, send_with_id, error)
         finally:

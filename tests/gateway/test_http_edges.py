@@ -4,6 +4,7 @@ a server error leaves the connection usable, and no URL is built from the client
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from backends.registry import build_backend
 from gateway.capabilities import WrappedBackend
 from gateway.config import GatewayConfig
 
-from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway
+from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
 RESPONSES = {"model": MODEL, "input": "x", "max_output_tokens": 16}
@@ -171,3 +172,15 @@ def _read_response(reader: Any) -> tuple[int, dict[str, str], bytes]:
         name, _, value = line.decode("latin-1").partition(":")
         headers[name.lower()] = value.strip()
     return status, headers, reader.read(int(headers["content-length"]))
+
+
+def test_the_access_log_times_the_request_within_the_clients_wait(gateway: RunningGateway) -> None:
+    """``duration_ms`` is the request's own time: it lies within the span from before the client sent it to after
+    the gateway finished it (its log line written), whatever the request's fate."""
+    began = time.perf_counter()
+    with captured_logs(gateway) as logs, httpx.Client(base_url=gateway.base_url) as http:
+        http.post("/v1/chat/completions", json=CHAT)
+        http.post("/v1/chat/completions", json={**CHAT, "tool_choice": {"type": {}}})
+    window_ms = (time.perf_counter() - began) * 1000
+    durations = [line["duration_ms"] for line in logs if line.get("event") == "request"]
+    assert len(durations) == 2 and all(0 < duration < window_ms for duration in durations), (durations, window_ms)
