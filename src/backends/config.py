@@ -41,7 +41,7 @@ class TierQueue(_Strict):
     queue_timeout: float | None = Field(None, gt=0, description="longest wait of the tier's requests before a 503")
 
 
-class _Admission(_Strict):
+class AdmissionConfig(_Strict):
     """Admission control the gateway applies in front of every backend (docs: README, Flow control)."""
 
     max_in_flight: int | None = Field(1024, ge=1, description="requests admitted at once; null: no bound")
@@ -62,7 +62,7 @@ class _Admission(_Strict):
     )
 
 
-class _Preparation(_Admission):
+class _Preparation(AdmissionConfig):
     """How an in-process engine backend prepares prompts (docs: README, Security and limits)."""
 
     prepare_threads: int = Field(
@@ -274,7 +274,7 @@ _ENV_HINTS = {
 }
 
 
-class LMDeployBackendConfig(_Admission):
+class LMDeployBackendConfig(AdmissionConfig):
     """One or more LMDeploy ``api_server`` nodes or proxies reached over HTTP (see docs/lmdeploy.md)."""
 
     name: str

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Mapping
 
+from backends.config import AdmissionConfig
 from backends.interface import (
     Backend,
     CallTrace,
@@ -115,21 +116,21 @@ async def _acquire_traced(
 
 def admitted(
     backend: Backend,
-    config: object,
+    config: AdmissionConfig,
     *,
     weights: Mapping[str, float] | None = None,
     metrics: FlowMetrics | None = None,
 ) -> Backend:
     """The backend behind flow control if its config bounds in-flight requests (``max_in_flight``), else itself.
     ``weights``: the API keys' shares by label (``api_keys[].weight``)."""
-    limit = getattr(config, "max_in_flight", None)
+    limit = config.max_in_flight
     if limit is None:
         return backend
     gate = FlowController(
         backend.name,
         limit,
         tier_bounds(config),
-        fair=getattr(config, "flow_control", "fair") == "fair",
+        fair=config.flow_control == "fair",
         weights=weights,
         metrics=metrics,
     )

@@ -29,6 +29,7 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from backends.config import AdmissionConfig
 from backends.errors import OverloadedError
 from backends.interface import CLIENT_SERVICE_TIERS, SERVICE_TIERS, GenerateRequest
 from gateway.config import ApiKeyConfig
@@ -57,19 +58,18 @@ class TierBounds:
     queue_timeout: float
 
 
-def tier_bounds(config: object) -> dict[str, TierBounds]:
-    """Every tier's bounds from a backend's admission config (``max_queue``, ``queue_timeout``, ``tiers``)."""
-    max_queue: int = getattr(config, "max_queue", 0)
-    timeout: float = getattr(config, "queue_timeout", 30.0)
-    overrides: Mapping[str, object] = getattr(config, "tiers", {}) or {}
+def tier_bounds(config: AdmissionConfig | None) -> dict[str, TierBounds]:
+    """Every tier's bounds from a backend's admission config (``max_queue``, ``queue_timeout``, ``tiers``); with
+    none, the defaults'."""
+    config = config if config is not None else AdmissionConfig()
     bounds = {}
     for tier in SERVICE_TIERS:
-        override = overrides.get(tier)
-        own_queue = getattr(override, "max_queue", None)
-        own_timeout = getattr(override, "queue_timeout", None)
+        override = config.tiers.get(tier)  # type: ignore[call-overload]
+        own_queue = override.max_queue if override is not None else None
+        own_timeout = override.queue_timeout if override is not None else None
         bounds[tier] = TierBounds(
-            own_queue if own_queue is not None else max_queue,
-            own_timeout if own_timeout is not None else timeout * TIER_TIMEOUT_FACTORS[tier],
+            own_queue if own_queue is not None else config.max_queue,
+            own_timeout if own_timeout is not None else config.queue_timeout * TIER_TIMEOUT_FACTORS[tier],
         )
     return bounds
 
