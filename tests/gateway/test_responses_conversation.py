@@ -12,13 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.deepseek.chat import DeepSeekV41ChatTemplate
-from backends.deepseek.conversation import to_conversation
 from backends.interface import GenerateRequest
 from backends.reference import load_or_build
 from gateway.responses.protocol import CreateResponseRequest, chat_messages
 
-from ..backends.deepseek.test_conversation import described, texts
+from ..backends.deepseek.test_conversation import assert_renders_as_the_library, texts
 
 LIBRARY_MODEL = "DeepSeek-V4.1-Flash"
 TOOL = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
@@ -73,17 +71,4 @@ def test_a_responses_request_is_the_librarys_conversation(
         response_format=parsed.response_format(),
         reasoning_effort=parsed.reasoning_effort(),
     )
-    template = DeepSeekV41ChatTemplate(default_thinking=True)  # the library's default, as on a V4.1 deployment
-    tokenizer = load_or_build().tokenizer
-    prompt = template.render(request, tokenizer)
-    assert prompt.text == library.render_conversation(expected).prompt
-    assert list(prompt.token_ids or ()) == library.encode(expected)
-    thinking, effort = template.thinking_mode(request)
-    ours = to_conversation(
-        request.messages or [],
-        thinking=thinking,
-        effort=effort if isinstance(effort, str) else None,
-        tools=request.tools,
-        tools_offered=bool(request.tools),
-    )
-    assert described(ours) == described(expected)
+    assert_renders_as_the_library(request, expected, library)

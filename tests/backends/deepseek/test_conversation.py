@@ -17,7 +17,7 @@ from backends.deepseek.chat import DeepSeekV41ChatTemplate
 from backends.deepseek.conversation import to_conversation
 from backends.deepseek.prompt_encoding import PromptEncoder
 from backends.interface import GenerateRequest
-from backends.reference import ReferenceArtifacts
+from backends.reference import ReferenceArtifacts, load_or_build
 
 LIBRARY_MODEL = "DeepSeek-V4.1-Flash"
 MARKERS = ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>", "｜DSML｜", "<｜System｜>"]
@@ -135,6 +135,27 @@ def described(conversation: recipe.Conversation) -> dict[str, Any]:
             for m in conversation.messages
         ],
     }
+
+
+def assert_renders_as_the_library(
+    request: GenerateRequest, expected: recipe.Conversation, library: recipe.DeepseekV41Encoding
+) -> None:
+    """The request a route normalized (tools offered, no forced choice) renders the library's prompt and ids for the
+    conversation its converter built from the same body, and becomes that conversation, as a V4.1 deployment
+    (thinking by default) serves it."""
+    template = DeepSeekV41ChatTemplate(default_thinking=True)  # the library's default, as on a V4.1 deployment
+    prompt = template.render(request, load_or_build().tokenizer)
+    assert prompt.text == library.render_conversation(expected).prompt
+    assert list(prompt.token_ids or ()) == library.encode(expected)
+    thinking, effort = template.thinking_mode(request)
+    ours = to_conversation(
+        request.messages or [],
+        thinking=thinking,
+        effort=effort if isinstance(effort, str) else None,
+        tools=request.tools,
+        tools_offered=bool(request.tools),
+    )
+    assert described(ours) == described(expected)
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.deepseek.chat import DeepSeekV41ChatTemplate
-from backends.deepseek.conversation import to_conversation
 from backends.reference import load_or_build
 from gateway.anthropic.protocol import MessagesRequest
 from gateway.anthropic.signatures import ThinkingSigner
 from gateway.anthropic.translate import generate_request
 
-from ...backends.deepseek.test_conversation import described, texts
+from ...backends.deepseek.test_conversation import assert_renders_as_the_library, texts
 
 SIGNER = ThinkingSigner.from_secret("conversation oracle secret")
 TOOL = {"name": "lookup", "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}
@@ -72,16 +70,4 @@ def test_a_messages_request_is_the_librarys_conversation(
     request = generate_request(
         MessagesRequest.model_validate(body), request_id="r", model="m", signer=SIGNER, max_buffered_tokens=None
     )
-    template = DeepSeekV41ChatTemplate(default_thinking=True)  # the library's default, as on a V4.1 deployment
-    prompt = template.render(request, load_or_build().tokenizer)
-    assert prompt.text == library.render_conversation(expected).prompt
-    assert list(prompt.token_ids or ()) == library.encode(expected)
-    thinking, effort = template.thinking_mode(request)
-    ours = to_conversation(
-        request.messages or [],
-        thinking=thinking,
-        effort=effort if isinstance(effort, str) else None,
-        tools=request.tools,
-        tools_offered=bool(request.tools),
-    )
-    assert described(ours) == described(expected)
+    assert_renders_as_the_library(request, expected, library)
