@@ -123,19 +123,7 @@ class SQLiteBatchStore:
                 "need, or wait for old ones to expire.",
                 "storage_limit_exceeded",
             )
-        db.execute(
-            "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                file["id"],
-                owner,
-                file["purpose"],
-                file["created_at"],
-                file["expires_at"],
-                orjson.dumps(file),
-                content,
-                len(content),
-            ),
-        )
+        _insert_file(db, file, owner, content)
 
     async def get_file(self, file_id: str, owner: str, now: float) -> dict[str, Any] | None:
         return await self.run(self._get_file, file_id, owner, now)
@@ -361,19 +349,7 @@ class SQLiteBatchStore:
         if stored is None or stored[1] != holder or stored[0] in ENDED_STATUSES:
             return False
         for file, content in files:  # results are stored whatever the bound: they were paid for
-            db.execute(
-                "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    file["id"],
-                    owner,
-                    file["purpose"],
-                    file["created_at"],
-                    file["expires_at"],
-                    orjson.dumps(file),
-                    content,
-                    len(content),
-                ),
-            )
+            _insert_file(db, file, owner, content)
         # its object keeps its final counts, and its results (now in its files) go
         db.execute(
             "UPDATE batches SET status = ?, object = ?, holder = NULL, lease_until = 0 WHERE id = ?",
@@ -414,3 +390,20 @@ def _with_counts(db: sqlite3.Connection, batch: dict[str, Any]) -> dict[str, Any
     batch["request_counts"]["completed"] = counts.get(1, 0)
     batch["request_counts"]["failed"] = counts.get(0, 0)
     return batch
+
+
+def _insert_file(db: sqlite3.Connection, file: dict[str, Any], owner: str, content: bytes) -> None:
+    """One file row: its object, its content and size, under its owner."""
+    db.execute(
+        "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            file["id"],
+            owner,
+            file["purpose"],
+            file["created_at"],
+            file["expires_at"],
+            orjson.dumps(file),
+            content,
+            len(content),
+        ),
+    )
