@@ -211,6 +211,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._closing: asyncio.TimerHandle | None = None  # set while lingering before the close
         self._rejected: tuple[bytes, str] | None = None  # a head refused without a request cycle: answer, reason
         self._awaiting_body = False  # headers in, body not yet complete
+        self.url = b""  # uvicorn sets it at a request's first byte; an answer before that has no path
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         guard = self.guard
@@ -333,7 +334,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _path(self) -> str:
         """The path of the request being received, as far as it is known (none before its first byte)."""
-        return _path_of(getattr(self, "url", b""))
+        return _path_of(self.url)
 
     def _too_large(self) -> bytes:
         message = f"The request line and headers are larger than {self.guard.limits.max_header_bytes} bytes."
