@@ -305,13 +305,18 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
     return APIError(400, f"Invalid value for '{name}': {reason[:200]}", param=param or None, code="invalid_value")
 
 
+def internal_error(exc: Exception) -> APIError:
+    """The 500 of an exception nothing expected (a bug); ``public_error`` keeps its detail from the client."""
+    return APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error", code="internal_error")
+
+
 def unexpected_error(exc: Exception, path: str, log: dict[str, Any] | None) -> APIError:
-    """A 500 for an exception nothing expected (a bug): logged with its traceback, its code in the request's
-    access-log line; ``public_error`` keeps its detail from the client."""
+    """``internal_error``, for a request that had not started its response: logged with its traceback, its code in
+    the request's access-log line."""
     logger.exception("unhandled error on %s", path, exc_info=exc)
     if log is not None:
         log["error_code"] = "internal_error"
-    return APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error", code="internal_error")
+    return internal_error(exc)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -26,7 +26,7 @@ from backends.errors import BackendError, SlowClientError
 from backends.interface import Delta, Event, EventPoller, EventStream, Finish, PromptEcho, Usage, interleave, poller_of
 from gateway.bursts import BurstReader
 from gateway.deadlines import Deadline, Expiry, Timeouts, WaitDeadline, next_event
-from gateway.errors import APIError, api_error_from_backend, public_error
+from gateway.errors import APIError, api_error_from_backend, internal_error, public_error
 from gateway.frame_pusher import FramePusher
 from gateway.metrics import RequestObserver
 from gateway.sse import DisconnectWatch, EventStreamResponse
@@ -204,7 +204,7 @@ async def stream_response(
         except Exception as exc:
             logger.exception("stream of request %s failed after its first frame", request.state.request_id)
             outcome.status, outcome.code = 500, "internal_error"
-            error = APIError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error", code="internal_error")
+            error = internal_error(exc)
             burst.append(fmt.error_frame(public_error(error, request)))
         finally:
             if pusher is not None:
