@@ -194,7 +194,7 @@ def test_a_body_that_arrives_after_its_early_answer_is_not_mistaken_for_the_next
             + f"Content-Length: {size}\r\n\r\n".encode()
         )
         assert reader.readline().startswith(b"HTTP/1.1 413 ")  # answered before a byte of the body was sent
-        headers = _head(reader)
+        headers = read_head(reader)
         reader.read(int(headers["content-length"]))
         if headers.get("connection") == "close":
             return  # the server may close instead; then nothing can be mistaken
@@ -203,7 +203,8 @@ def test_a_body_that_arrives_after_its_early_answer_is_not_mistaken_for_the_next
         assert reader.readline().startswith(b"HTTP/1.1 200 "), "the body was read as the next request's head"
 
 
-def _head(reader: Any) -> dict[str, str]:
+def read_head(reader: Any) -> dict[str, str]:
+    """The headers of a response whose status line was read, from a kept-alive connection's reader."""
     headers = {}
     while (line := reader.readline()) not in (b"\r\n", b""):
         name, _, value = line.decode("latin-1").partition(":")

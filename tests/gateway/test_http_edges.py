@@ -18,6 +18,7 @@ from gateway.capabilities import WrappedBackend
 from gateway.config import GatewayConfig
 
 from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway
+from .test_connections import read_head
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
 RESPONSES = {"model": MODEL, "input": "x", "max_output_tokens": 16}
@@ -167,10 +168,7 @@ def test_a_server_error_is_the_apis_500_and_the_connection_stays_usable(
 def _read_response(reader: Any) -> tuple[int, dict[str, str], bytes]:
     """One response with a content-length from a kept-alive connection."""
     status = int(reader.readline().split()[1])
-    headers: dict[str, str] = {}
-    while (line := reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.lower()] = value.strip()
+    headers = read_head(reader)
     return status, headers, reader.read(int(headers["content-length"]))
 
 
