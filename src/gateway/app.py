@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from starlette.middleware import Middleware
 
 from backends.interface import Backend
 from backends.registry import BackendKindUnavailableError, build_backend
@@ -27,7 +28,16 @@ from gateway.errors import install_error_handlers
 from gateway.flow_control import FlowMetrics, KeyTiers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import RequestContextMiddleware
+from gateway.middleware import (
+    AccessLogMiddleware,
+    BodyLimitMiddleware,
+    DrainMiddleware,
+    IncompleteBodyMiddleware,
+    InternalErrorMiddleware,
+    RequestIdMiddleware,
+    RequestMetricsMiddleware,
+    TracingMiddleware,
+)
 from gateway.responses import route as responses
 from gateway.responses.store import StoredResponses, open_response_store
 from gateway.router import ModelRouter
@@ -153,7 +163,13 @@ def create_app(
 
     # No redirects for a trailing slash: Starlette's would build its Location from the client's Host header, and
     # an SDK does not follow a redirect of a POST; ``/metrics/`` is a 404 like any other unknown URL.
-    app = FastAPI(title="deepinfer-gateway", version=__version__, lifespan=lifespan, redirect_slashes=False)
+    app = FastAPI(
+        title="deepinfer-gateway",
+        version=__version__,
+        lifespan=lifespan,
+        redirect_slashes=False,
+        middleware=gateway_middleware(config, state),
+    )
     app.state.gateway = state
     app.state.json_parser = json_parser  # read by the generation routes' OffloadedJSONRoute
     install_error_handlers(app)
@@ -165,22 +181,32 @@ def create_app(
     app.include_router(operations.router)
     app.include_router(admin.router)
     app.include_router(batches.router)
-    app.add_middleware(
-        ApiKeyMiddleware,
-        client_keys=config.server.client_keys(),
-        admin_key=config.server.admin_api_key,
-        public_metrics=config.server.public_metrics,
-    )
-    app.add_middleware(
-        RequestContextMiddleware,
-        max_body_bytes=config.server.max_body_bytes,
-        access_log=config.server.access_log,
-        draining=lambda: state.draining,
-        metrics=metrics,
-        tracing=tracing,
-        larger_bodies={batches.UPLOAD_PATH: batch_config.max_file_bytes + batches.MULTIPART_OVERHEAD},
-    )
     return app
+
+
+def gateway_middleware(config: GatewayConfig, state: GatewayState) -> list[Middleware]:
+    """The gateway's ASGI middleware, outermost first (``gateway.middleware`` says what each one does and why)."""
+    server = config.server
+    stack = [Middleware(RequestIdMiddleware)]
+    if server.access_log:
+        stack.append(Middleware(AccessLogMiddleware))
+    if state.tracing is not None:
+        stack.append(Middleware(TracingMiddleware, tracing=state.tracing))
+    larger_bodies = {batches.UPLOAD_PATH: server.batches.max_file_bytes + batches.MULTIPART_OVERHEAD}
+    return [
+        *stack,
+        Middleware(RequestMetricsMiddleware, metrics=state.metrics),
+        Middleware(IncompleteBodyMiddleware),
+        Middleware(DrainMiddleware, draining=lambda: state.draining),
+        Middleware(BodyLimitMiddleware, max_body_bytes=server.max_body_bytes, larger_bodies=larger_bodies),
+        Middleware(InternalErrorMiddleware),
+        Middleware(
+            ApiKeyMiddleware,
+            client_keys=server.client_keys(),
+            admin_key=server.admin_api_key,
+            public_metrics=server.public_metrics,
+        ),
+    ]
 
 
 def _serves(config: GatewayConfig, name: str) -> bool:

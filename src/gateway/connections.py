@@ -97,7 +97,7 @@ class DirectBody:
 
     ``write(chunk)`` is what uvicorn's ``send`` of ``{"type": "http.response.body", "body": chunk, "more_body":
     True}`` does when it would not wait, without the ASGI middleware's send wrappers above it (each a coroutine per
-    frame: Starlette's error and exception handlers, the request-context middleware). It returns False, having
+    frame: Starlette's error and exception handlers, the gateway's middleware). It returns False, having
     written nothing, whenever that send would do anything else (wait for a full socket, drop the chunk of a client
     that left, refuse a body before the start or after the end, write a HEAD or a sized response): the caller then
     sends the message through ASGI. Only the status line and headers, which the middleware does see, come first."""
