@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from starlette.middleware import Middleware
+from starlette.types import ASGIApp
 
 from backends.interface import Backend
 from backends.registry import BackendKindUnavailableError, build_backend
@@ -37,6 +38,8 @@ from gateway.middleware import (
     RequestIdMiddleware,
     RequestMetricsMiddleware,
     TracingMiddleware,
+    WithoutDirectBody,
+    body_rewriters,
 )
 from gateway.responses import route as responses
 from gateway.responses.store import StoredResponses, open_response_store
@@ -163,7 +166,7 @@ def create_app(
 
     # No redirects for a trailing slash: Starlette's would build its Location from the client's Host header, and
     # an SDK does not follow a redirect of a POST; ``/metrics/`` is a 404 like any other unknown URL.
-    app = FastAPI(
+    app = GatewayApp(
         title="deepinfer-gateway",
         version=__version__,
         lifespan=lifespan,
@@ -207,6 +210,20 @@ def gateway_middleware(config: GatewayConfig, state: GatewayState) -> list[Middl
             public_metrics=server.public_metrics,
         ),
     ]
+
+
+class GatewayApp(FastAPI):
+    """The gateway's FastAPI app. A middleware a user adds (``app.add_middleware``) that is not known to pass
+    response bodies through unchanged, Starlette's GZip say, turns direct body writes off when the middleware stack
+    is built, so that it sees every body frame of every response."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        stack = super().build_middleware_stack()
+        rewriters = body_rewriters(self.user_middleware)
+        if not rewriters:
+            return stack
+        logger.info("direct body writes off: %s may rewrite response bodies", ", ".join(rewriters))
+        return WithoutDirectBody(stack)
 
 
 def _serves(config: GatewayConfig, name: str) -> bool:

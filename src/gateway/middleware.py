@@ -16,6 +16,10 @@ installs them in this order, outermost first (``gateway_middleware``):
 What one middleware learns of a request and another reports (its id, its status, its access-log fields) travels in
 the request's :class:`RequestRecord`, in the ASGI scope's ``state`` under :data:`REQUEST_RECORD`: never a global.
 Routes see the record's id and log fields as ``request.state.request_id`` and ``request.state.log``.
+
+Streamed body frames may skip every ``send`` wrapper here (``gateway.connections.DirectBody``). That is safe only
+while every middleware in the stack passes bodies through unchanged (``BODY_PRESERVING``): ``body_rewriters`` names
+those of a stack that may not (Starlette's GZip, say), and ``WithoutDirectBody`` turns direct writes off for it.
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.connections import BODY_TIMEOUT
+from gateway.auth import ApiKeyMiddleware
+from gateway.connections import BODY_TIMEOUT, DIRECT_BODY
 from gateway.errors import APIError, error_body, shown_error, unexpected_error
 from gateway.metrics import GatewayMetrics
 
@@ -336,3 +344,43 @@ async def send_error(scope: Scope, send: Send, error: APIError, retry_after: int
         headers.append((b"retry-after", str(retry_after).encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+BODY_PRESERVING: frozenset[type] = frozenset(
+    {
+        RequestIdMiddleware,
+        AccessLogMiddleware,
+        TracingMiddleware,
+        RequestMetricsMiddleware,
+        IncompleteBodyMiddleware,
+        DrainMiddleware,
+        BodyLimitMiddleware,
+        InternalErrorMiddleware,
+        ApiKeyMiddleware,
+        CORSMiddleware,
+        TrustedHostMiddleware,
+    }
+)
+"""Middleware known to pass response bodies through unchanged (they may add headers or answer on their own): with
+only these in the stack, body frames may skip it (``DirectBody``)."""
+
+
+def body_rewriters(middleware: Iterable[Middleware]) -> list[str]:
+    """The names of the middleware in a stack not known to pass bodies through unchanged (``BODY_PRESERVING``)."""
+    return [getattr(m.cls, "__name__", repr(m.cls)) for m in middleware if m.cls not in BODY_PRESERVING]
+
+
+class WithoutDirectBody:
+    """Runs an app with direct body writes off: each request's ``DirectBody`` is taken from its state before the
+    app sees it, so every body frame goes through ASGI ``send`` and every middleware sees it (one that compresses or
+    rewrites bodies would otherwise get the headers and none of the frames written past it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            state = scope.get("state")
+            if state is not None:
+                state.pop(DIRECT_BODY, None)
+        await self.app(scope, receive, send)
