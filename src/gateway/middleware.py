@@ -334,9 +334,10 @@ class InternalErrorMiddleware:
 
 
 async def send_error(scope: Scope, send: Send, error: APIError, retry_after: int | None = None) -> None:
-    """Answers the request with ``error`` in the words of the API it called (a server error's detail goes to its
-    log line, the client reads a generic message with the request id)."""
+    """Answers the request with ``error`` in the words of the API it called; its code goes into the request's log
+    line and error count (a server error's detail goes to the log line, the client reads a generic message)."""
     record = record_of(scope)
+    record.log["error_code"] = error.code or error.type
     shown = shown_error(error, record.log, record.request_id)
     body = error_body(shown, scope["path"], record.request_id)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]

@@ -1,8 +1,9 @@
-"""The middleware stack as a library user meets it: one they add themselves (Starlette's GZip) sees every body frame.
+"""The gateway's middleware stack: every request has an id, a log line and a count, whatever its fate; and a
+middleware a library user adds (Starlette's GZip) sees every body frame.
 
 Streamed frames normally skip the ASGI middleware (``gateway.connections.DirectBody``); a middleware that compresses
 bodies would then get the headers and only the frames that happened to go through ``send``, and the client a
-broken gzip stream. These tests run a real gateway with GZip added the way a user adds it and read the responses
+broken gzip stream. The GZip tests run a real gateway with GZip added the way a user adds it and read the responses
 through the openai SDK and raw HTTP, both of which decompress.
 """
 
@@ -21,7 +22,7 @@ from starlette.middleware.gzip import GZipMiddleware
 from gateway.config import GatewayConfig
 from gateway.middleware import BodyLimitMiddleware, RequestIdMiddleware, WithoutDirectBody, body_rewriters
 
-from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway
+from ..conftest import MODEL, RunningGateway, captured_logs, start_gateway, stop_gateway
 
 HELLO = [{"role": "user", "content": "Tell me about the module."}]
 STREAM_TOKENS = 96
@@ -100,3 +101,38 @@ def test_only_middleware_known_to_pass_bodies_through_keep_direct_writes() -> No
 def test_the_gateways_own_stack_keeps_direct_writes(gateway: RunningGateway, http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200  # the stack is built by the first call
     assert not isinstance(gateway.app.middleware_stack, WithoutDirectBody), body_rewriters(gateway.app.user_middleware)
+
+
+def test_every_fate_has_an_id_a_log_line_and_a_count(gateway: RunningGateway) -> None:
+    """A routed answer, a validation 400, an unknown model's 404 and a drain's 503: each response names its request,
+    each request has one access-log line with that id and status, and each is counted once (the routed one by model
+    and backend, the others with empty labels and their error code)."""
+    url = f"{gateway.base_url}/v1/chat/completions"
+    fates = [
+        ({"model": MODEL, "messages": HELLO, "max_tokens": 2}, 200, None),
+        ({"model": MODEL, "messages": "x"}, 400, "invalid_type"),
+        ({"model": "no-such-model", "messages": HELLO}, 404, "model_not_found"),
+    ]
+
+    def counted(status: int, code: str | None) -> float:
+        labels = {"model": MODEL, "backend": "reference"} if code is None else {"model": "", "backend": ""}
+        errors = gateway.metric("gateway_request_errors_total", **labels, code=code) if code else 0.0
+        return gateway.metric("gateway_requests_total", **labels, status=str(status)) + errors
+
+    before = [counted(status, code) for _, status, code in fates] + [counted(503, "draining")]
+    with captured_logs(gateway) as logs:
+        answers = [httpx.post(url, json=body, timeout=60) for body, _, _ in fates]
+        gateway.state.begin_drain()
+        try:
+            answers.append(httpx.post(url, json=fates[0][0], timeout=60))
+            assert httpx.get(f"{gateway.base_url}/v1/models").status_code == 200, "a drain refuses only generation"
+        finally:
+            gateway.state.draining = False
+    assert [a.status_code for a in answers] == [200, 400, 404, 503]
+    assert answers[-1].json()["error"]["code"] == "draining" and answers[-1].headers["retry-after"] == "1"
+    lines = {line["request_id"]: line for line in logs if line.get("event") == "request"}
+    for answer in answers:
+        line = lines[answer.headers["x-request-id"]]
+        assert line["status"] == answer.status_code and line["method"] == "POST"
+    after = [counted(status, code) for _, status, code in fates] + [counted(503, "draining")]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 2, 2, 2]
