@@ -22,7 +22,8 @@ never starve the kubelet's probes; any other path gets a 404 and a close.
 A streamed response's body frames may skip the ASGI send chain (``DIRECT_BODY``): the request's state carries a
 :class:`DirectBody` that writes a chunk straight to the connection while nothing stands in the way (the response
 started with chunked encoding, the socket takes bytes, the client is there); otherwise the caller sends through
-ASGI as usual, whose send waits for a full socket to drain.
+ASGI as usual, whose send waits for a full socket to drain. An app whose middleware may rewrite bodies takes the
+``DirectBody`` out of each request's state (``gateway.middleware.WithoutDirectBody``), so that they see every frame.
 
 Every closed connection is counted in ``gateway_connections_closed_total{listener,reason}``; open ones in
 ``gateway_connections_open{listener}``. Timers run on an injected ``Clock`` (the event loop by default).
@@ -51,7 +52,8 @@ NOT_A_PROBE_PATH = "not_a_probe_path"
 BAD_REQUEST = "bad_request"
 """A request the HTTP parser refused (a bare LF in a header, a malformed request line): a 400, and a close."""
 DIRECT_BODY = "gateway.direct_body"
-"""The key of the request's :class:`DirectBody` in its ASGI scope's ``state`` (absent under other servers)."""
+"""The key of the request's :class:`DirectBody` in its ASGI scope's ``state`` (absent under other servers, and
+under a middleware that may rewrite bodies)."""
 REASONS = (HEADER_TIMEOUT, HEADER_TOO_LARGE, TOO_MANY_CONNECTIONS, BODY_TIMEOUT, NOT_A_PROBE_PATH, BAD_REQUEST)
 
 API_LISTENER = "api"
