@@ -103,11 +103,15 @@ def start_gateway(
     ready_timeout: float = 180.0,
     budget_clock: Callable[[], float] | None = None,
     batch_clock: Callable[[], float] = time.time,
+    prepare: Callable[[FastAPI], object] | None = None,
 ) -> RunningGateway:
     """Runs the gateway's server as ``serve`` does (uvicorn on uvloop behind the connection guard, whose protocol
     also gives streams their direct body writes) in a thread on 127.0.0.1 with a kernel-chosen port, and waits
-    until ``wait_for`` is 200."""
+    until ``wait_for`` is 200. ``prepare`` is called with the app before it serves, as a library user's code would
+    (``app.add_middleware``, say)."""
     app = create_app(config, backends, budget_clock=budget_clock, batch_clock=batch_clock)
+    if prepare is not None:
+        prepare(app)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

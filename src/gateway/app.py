@@ -7,10 +7,12 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp
 
 from backends.interface import Backend
 from backends.registry import BackendKindUnavailableError, build_backend
@@ -27,7 +29,18 @@ from gateway.errors import install_error_handlers
 from gateway.flow_control import FlowMetrics, KeyTiers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import RequestContextMiddleware
+from gateway.middleware import (
+    AccessLogMiddleware,
+    BodyLimitMiddleware,
+    DrainMiddleware,
+    IncompleteBodyMiddleware,
+    InternalErrorMiddleware,
+    RequestIdMiddleware,
+    RequestMetricsMiddleware,
+    TracingMiddleware,
+    WithoutDirectBody,
+    body_rewriters,
+)
 from gateway.responses import route as responses
 from gateway.responses.store import StoredResponses, open_response_store
 from gateway.router import ModelRouter
@@ -64,45 +77,15 @@ def create_app(
     server = config.server
     key_tiers = KeyTiers([(key_label(key, i), key) for i, key in enumerate(server.client_keys())])
     if backends is None:
-        built: dict[str, Backend] = {}
-        flow_metrics = FlowMetrics(metrics.registry)
-        for backend_config in config.backends:
-            try:
-                backend = build_backend(backend_config)
-                built[backend_config.name] = admitted(
-                    backend, backend_config, weights=key_tiers.weights, metrics=flow_metrics
-                )
-            except BackendKindUnavailableError as exc:
-                start_errors[backend_config.name] = str(exc)
-                built[backend_config.name] = _UnavailableBackend(backend_config.name, backend_config.kind, str(exc))
-        backends = built
+        backends = _built_backends(config, key_tiers, metrics, start_errors)
     metrics.watch_backends(backends.values())
     store = SharedStateStore(server.state_store, clock=time.monotonic) if server.state_store else None
     if store is not None:
         metrics.watch_state_store(store)
     tracing = start_tracing(server.tracing)
     key_limits = KeyLimits(server, store=store, processes=server.workers, registry=metrics.registry, clock=budget_clock)
-    stored_responses = StoredResponses(
-        open_response_store(
-            server.responses_store,
-            max_age=server.responses_max_age,
-            max_bytes=server.responses_max_bytes,
-            shared=store.client if store is not None else None,
-        ),
-        metrics.registry,
-    )
-    batch_config = server.batches
-    batch_runner = (
-        BatchRunner(
-            open_batch_store(batch_config, store.client if store is not None else None),
-            batch_config,
-            model_exists=lambda name: _serves(config, name),
-            registry=metrics.registry,
-            clock=batch_clock,
-        )
-        if batch_config.enabled
-        else None
-    )
+    stored_responses = _stored_responses(config, store, metrics)
+    batch_runner = _batch_runner(config, store, metrics, batch_clock)
     state = GatewayState(
         config=config,
         backends=dict(backends),
@@ -118,15 +101,94 @@ def create_app(
         batches=batch_runner,
     )
     json_parser = JSONBodyParser(config.server.json_parse_processes)
+    lifespan = _lifespan(state, key_limits, stored_responses, json_parser, serve_once_started=serve_once_started)
+
+    # No redirects for a trailing slash: Starlette's would build its Location from the client's Host header, and
+    # an SDK does not follow a redirect of a POST; ``/metrics/`` is a 404 like any other unknown URL.
+    app = GatewayApp(
+        title="deepinfer-gateway",
+        version=__version__,
+        lifespan=lifespan,
+        redirect_slashes=False,
+        middleware=gateway_middleware(config, state),
+    )
+    app.state.gateway = state
+    app.state.json_parser = json_parser  # read by the generation routes' OffloadedJSONRoute
+    install_error_handlers(app)
+    for routes in (generate, responses, messages, models, tokenize, operations, admin, batches):
+        app.include_router(routes.router)
+    return app
+
+
+def _built_backends(
+    config: GatewayConfig, key_tiers: KeyTiers, metrics: GatewayMetrics, start_errors: dict[str, str]
+) -> dict[str, Backend]:
+    """Every configured backend behind its admission gate; one whose kind cannot run here stands in as unavailable
+    (``start_errors`` says why, and ``/ready``)."""
+    built: dict[str, Backend] = {}
+    flow_metrics = FlowMetrics(metrics.registry)
+    for backend_config in config.backends:
+        try:
+            backend = build_backend(backend_config)
+            built[backend_config.name] = admitted(
+                backend, backend_config, weights=key_tiers.weights, metrics=flow_metrics
+            )
+        except BackendKindUnavailableError as exc:
+            start_errors[backend_config.name] = str(exc)
+            built[backend_config.name] = _UnavailableBackend(backend_config.name, backend_config.kind, str(exc))
+    return built
+
+
+def _stored_responses(
+    config: GatewayConfig, store: SharedStateStore | None, metrics: GatewayMetrics
+) -> StoredResponses:
+    server = config.server
+    return StoredResponses(
+        open_response_store(
+            server.responses_store,
+            max_age=server.responses_max_age,
+            max_bytes=server.responses_max_bytes,
+            shared=store.client if store is not None else None,
+        ),
+        metrics.registry,
+    )
+
+
+def _batch_runner(
+    config: GatewayConfig, store: SharedStateStore | None, metrics: GatewayMetrics, clock: Callable[[], float]
+) -> BatchRunner | None:
+    batch_config = config.server.batches
+    if not batch_config.enabled:
+        return None
+    return BatchRunner(
+        open_batch_store(batch_config, store.client if store is not None else None),
+        batch_config,
+        model_exists=lambda name: _serves(config, name),
+        registry=metrics.registry,
+        clock=clock,
+    )
+
+
+def _lifespan(
+    state: GatewayState,
+    key_limits: KeyLimits,
+    stored_responses: StoredResponses,
+    json_parser: JSONBodyParser,
+    *,
+    serve_once_started: bool,
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Starts the backends (in the background unless ``serve_once_started``), the shared store's watch and the
+    batch runner; stops all of it, in an order that lets work under way settle."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        metrics.watch_gc()
+        state.metrics.watch_gc()
         starting = asyncio.create_task(_start_backends(state))
         if serve_once_started:
             await asyncio.shield(starting)
-        if config.server.gc_tuning:
+        if state.config.server.gc_tuning:
             starting.add_done_callback(_freeze_gc)
+        store, batch_runner = state.store, state.batches
         watching = asyncio.create_task(store.watch()) if store is not None else None
         batching = asyncio.create_task(batch_runner.serve(app)) if batch_runner is not None else None
         try:
@@ -147,40 +209,50 @@ def create_app(
             await asyncio.gather(*(b.stop() for b in state.backends.values()), return_exceptions=True)
             json_parser.close()
             await stored_responses.aclose()
-            metrics.close()
-            if tracing is not None:
-                await tracing.aclose()  # after the drain and the shadows: every request's spans have ended
+            state.metrics.close()
+            if state.tracing is not None:
+                await state.tracing.aclose()  # after the drain and the shadows: every request's spans have ended
 
-    # No redirects for a trailing slash: Starlette's would build its Location from the client's Host header, and
-    # an SDK does not follow a redirect of a POST; ``/metrics/`` is a 404 like any other unknown URL.
-    app = FastAPI(title="deepinfer-gateway", version=__version__, lifespan=lifespan, redirect_slashes=False)
-    app.state.gateway = state
-    app.state.json_parser = json_parser  # read by the generation routes' OffloadedJSONRoute
-    install_error_handlers(app)
-    app.include_router(generate.router)
-    app.include_router(responses.router)
-    app.include_router(messages.router)
-    app.include_router(models.router)
-    app.include_router(tokenize.router)
-    app.include_router(operations.router)
-    app.include_router(admin.router)
-    app.include_router(batches.router)
-    app.add_middleware(
-        ApiKeyMiddleware,
-        client_keys=config.server.client_keys(),
-        admin_key=config.server.admin_api_key,
-        public_metrics=config.server.public_metrics,
-    )
-    app.add_middleware(
-        RequestContextMiddleware,
-        max_body_bytes=config.server.max_body_bytes,
-        access_log=config.server.access_log,
-        draining=lambda: state.draining,
-        metrics=metrics,
-        tracing=tracing,
-        larger_bodies={batches.UPLOAD_PATH: batch_config.max_file_bytes + batches.MULTIPART_OVERHEAD},
-    )
-    return app
+    return lifespan
+
+
+def gateway_middleware(config: GatewayConfig, state: GatewayState) -> list[Middleware]:
+    """The gateway's ASGI middleware, outermost first (``gateway.middleware`` says what each one does and why)."""
+    server = config.server
+    stack = [Middleware(RequestIdMiddleware)]
+    if server.access_log:
+        stack.append(Middleware(AccessLogMiddleware))
+    if state.tracing is not None:
+        stack.append(Middleware(TracingMiddleware, tracing=state.tracing))
+    larger_bodies = {batches.UPLOAD_PATH: server.batches.max_file_bytes + batches.MULTIPART_OVERHEAD}
+    return [
+        *stack,
+        Middleware(RequestMetricsMiddleware, metrics=state.metrics),
+        Middleware(IncompleteBodyMiddleware),
+        Middleware(DrainMiddleware, draining=lambda: state.draining),
+        Middleware(BodyLimitMiddleware, max_body_bytes=server.max_body_bytes, larger_bodies=larger_bodies),
+        Middleware(InternalErrorMiddleware),
+        Middleware(
+            ApiKeyMiddleware,
+            client_keys=server.client_keys(),
+            admin_key=server.admin_api_key,
+            public_metrics=server.public_metrics,
+        ),
+    ]
+
+
+class GatewayApp(FastAPI):
+    """The gateway's FastAPI app. A middleware a user adds (``app.add_middleware``) that is not known to pass
+    response bodies through unchanged, Starlette's GZip say, turns direct body writes off when the middleware stack
+    is built, so that it sees every body frame of every response."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        stack = super().build_middleware_stack()
+        rewriters = body_rewriters(self.user_middleware)
+        if not rewriters:
+            return stack
+        logger.info("direct body writes off: %s may rewrite response bodies", ", ".join(rewriters))
+        return WithoutDirectBody(stack)
 
 
 def _serves(config: GatewayConfig, name: str) -> bool:

@@ -185,7 +185,7 @@ def _client(presented: str | None, clients: list[tuple[bytes, str, str]]) -> tup
 
 async def _refuse(scope: Scope, send: Send, status: int, message: str, code: str) -> None:
     log = scope.get("state", {}).get("log")
-    if log is not None:  # the access-log line says why (the request context middleware runs outside this one)
+    if log is not None:  # the access-log line says why (gateway.middleware's run outside this one)
         log["error_code"] = code
     # In the words of the API the client called: Anthropic's error types on the Messages routes, OpenAI's elsewhere.
     body = error_body(APIError(status, message, code=code), scope["path"], scope.get("state", {}).get("request_id"))

@@ -22,7 +22,8 @@ never starve the kubelet's probes; any other path gets a 404 and a close.
 A streamed response's body frames may skip the ASGI send chain (``DIRECT_BODY``): the request's state carries a
 :class:`DirectBody` that writes a chunk straight to the connection while nothing stands in the way (the response
 started with chunked encoding, the socket takes bytes, the client is there); otherwise the caller sends through
-ASGI as usual, whose send waits for a full socket to drain.
+ASGI as usual, whose send waits for a full socket to drain. An app whose middleware may rewrite bodies takes the
+``DirectBody`` out of each request's state (``gateway.middleware.WithoutDirectBody``), so that they see every frame.
 
 Every closed connection is counted in ``gateway_connections_closed_total{listener,reason}``; open ones in
 ``gateway_connections_open{listener}``. Timers run on an injected ``Clock`` (the event loop by default).
@@ -51,7 +52,8 @@ NOT_A_PROBE_PATH = "not_a_probe_path"
 BAD_REQUEST = "bad_request"
 """A request the HTTP parser refused (a bare LF in a header, a malformed request line): a 400, and a close."""
 DIRECT_BODY = "gateway.direct_body"
-"""The key of the request's :class:`DirectBody` in its ASGI scope's ``state`` (absent under other servers)."""
+"""The key of the request's :class:`DirectBody` in its ASGI scope's ``state`` (absent under other servers, and
+under a middleware that may rewrite bodies)."""
 REASONS = (HEADER_TIMEOUT, HEADER_TOO_LARGE, TOO_MANY_CONNECTIONS, BODY_TIMEOUT, NOT_A_PROBE_PATH, BAD_REQUEST)
 
 API_LISTENER = "api"
@@ -97,7 +99,7 @@ class DirectBody:
 
     ``write(chunk)`` is what uvicorn's ``send`` of ``{"type": "http.response.body", "body": chunk, "more_body":
     True}`` does when it would not wait, without the ASGI middleware's send wrappers above it (each a coroutine per
-    frame: Starlette's error and exception handlers, the request-context middleware). It returns False, having
+    frame: Starlette's error and exception handlers, the gateway's middleware). It returns False, having
     written nothing, whenever that send would do anything else (wait for a full socket, drop the chunk of a client
     that left, refuse a body before the start or after the end, write a HEAD or a sized response): the caller then
     sends the message through ASGI. Only the status line and headers, which the middleware does see, come first."""

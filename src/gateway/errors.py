@@ -320,8 +320,8 @@ def unexpected_error(exc: Exception, path: str, log: dict[str, Any] | None) -> A
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """The handlers of every error a route raises on purpose; anything else is ``unexpected_error``'s, in the
-    request context middleware."""
+    """The handlers of every error a route raises on purpose; anything else is ``unexpected_error``'s, in
+    ``gateway.middleware.InternalErrorMiddleware``."""
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
@@ -347,7 +347,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_client_gone(request: Request, exc: Exception) -> Response:
         # The client left while its body was read, or its body timed out (the connection guard answered 408):
-        # no one reads this answer, and the request context middleware logs and counts the request (499 or 408).
+        # no one reads this answer; gateway.middleware logs and counts the request as 499 or 408.
         return Response(status_code=499)
 
     app.add_exception_handler(APIError, on_api_error)

@@ -2,9 +2,9 @@
 
 A request's spans (never one per token):
 
-- the server span (``RequestContextMiddleware``), kind SERVER, ``POST /v1/chat/completions``: HTTP method, route
-  and status, ``gateway.request_id`` (the ``X-Request-ID``), the model, the backend that served it, the API key's
-  name (never the key), token counts, time to first token, ``error.type``;
+- the server span (``gateway.middleware.TracingMiddleware``), kind SERVER, ``POST /v1/chat/completions``: HTTP
+  method, route and status, ``gateway.request_id`` (the ``X-Request-ID``), the model, the backend that served it,
+  the API key's name (never the key), token counts, time to first token, ``error.type``;
 - ``gateway.route`` (``ModelRouter.route``): the target chosen, how (``gateway.route.via``: the policy,
   ``pinned``), and the shadow backend when the request was mirrored;
 - one span per backend call (``RoutedStream``, ``ShadowMirror``), kind CLIENT, named ``{operation} {model}`` as the
