@@ -323,13 +323,6 @@ class ModelConfig(BaseModel):
         """``backends`` with every entry as a ``TargetConfig``."""
         return [TargetConfig(backend=b) if isinstance(b, str) else b for b in self.backends]
 
-    def backend_names(self) -> list[str]:
-        """Every backend the model refers to (targets, fallbacks, shadow), each once, in that order."""
-        names = [t.backend for t in self.targets()] + list(self.fallbacks)
-        if self.shadow is not None:
-            names.append(self.shadow.backend)
-        return list(dict.fromkeys(names))
-
     @field_validator("backends")
     @classmethod
     def _distinct_targets(cls, entries: list[str | TargetConfig]) -> list[str | TargetConfig]:

@@ -21,8 +21,9 @@ import zmq
 
 from backends.config import DeepInferBackendConfig
 from backends.deepinfer.ranks import node_worker_plan
-from backends.workers.driver import STOP_TIMEOUT_SECONDS, WorkerPlan
+from backends.workers.driver import STOP_TIMEOUT_SECONDS
 from backends.workers.keys import GATEWAY_KEY, PUBLIC_SUFFIX, RANK_KEY, SECRET_SUFFIX, RankKeys, create_keys, keys_for
+from backends.workers.launch import WorkerPlan
 from backends.workers.node import NodeShare, bind_address
 from gateway.cli import app
 from gateway.config import load_config

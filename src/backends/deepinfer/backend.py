@@ -12,7 +12,7 @@ from backends.deepseek.chat import DeepSeekV41ChatTemplate
 from backends.engine.backend import EngineBackend
 
 if TYPE_CHECKING:
-    from backends.workers.driver import WorkerPlan
+    from backends.workers.launch import WorkerPlan
 
 
 def build_deepinfer_backend(config: DeepInferBackendConfig) -> EngineBackend:
@@ -40,7 +40,7 @@ def deepinfer_worker_plan(config: DeepInferBackendConfig, environ: Mapping[str, 
     the front-end supervisor for all its front ends) with the devices of ``environ`` split per rank, or reached at
     ``worker_endpoints``. With one rank there is nothing to keep in step: the engine simply lives in a worker."""
     from backends.deepinfer.ranks import RankEnvironment, data_parallel_options
-    from backends.workers.driver import WorkerPlan
+    from backends.workers.launch import WorkerPlan
 
     remote = list(config.worker_endpoints)
     options = config.model_dump(mode="json") if remote else data_parallel_options(config, environ)

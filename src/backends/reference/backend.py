@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from backends.reference.engine import ReferenceEngine
-    from backends.workers.driver import WorkerPlan
+    from backends.workers.launch import WorkerPlan
     from backends.workers.spec import RankContext, RankEngine
 
 
@@ -55,7 +55,7 @@ def _make_engine(config: ReferenceBackendConfig, seed: int | None) -> ReferenceE
 def reference_worker_plan(config: ReferenceBackendConfig) -> WorkerPlan:
     """Where the ranks of ``config`` run and how each builds its engine (also used by the front-end supervisor,
     which starts them once for all its front-end processes)."""
-    from backends.workers.driver import WorkerPlan
+    from backends.workers.launch import WorkerPlan
 
     return WorkerPlan(
         size=config.data_parallel_size,

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 import zmq
 
 from backends.workers import messages as m
-from backends.workers.driver import STOP_TIMEOUT_SECONDS, RankProcess, WorkerPlan, free_port
+from backends.workers.driver import STOP_TIMEOUT_SECONDS
 from backends.workers.keys import keys_for
+from backends.workers.launch import RankProcess, WorkerPlan, free_port
 from backends.workers.startup import LaunchStatus
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,9 @@ from backends.errors import BackendError
 from backends.interface import GenerateRequest, SamplingOptions
 from backends.reference.backend import build_reference_backend, load_tokenizer
 from backends.workers.backend import DataParallelBackend
-from backends.workers.driver import DataParallelDriver, WorkerPlan, free_port
-from backends.workers.worker import WorkerSpec
+from backends.workers.driver import DataParallelDriver
+from backends.workers.launch import WorkerPlan, free_port
+from backends.workers.spec import WorkerSpec
 
 from ...conftest import wait_until
 from .conftest import clock_of, driver_of, start_data_parallel_gateway, stop_gateway, worker_pids
