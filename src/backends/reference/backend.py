@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backends.config import ReferenceBackendConfig
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
-from backends.engine.backend import EngineBackend
+from backends.engine.backend import DrivenEngines, EngineBackend
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from backends.workers.spec import RankContext, RankEngine
 
 
-def build_reference_backend(config: ReferenceBackendConfig) -> EngineBackend:
+def build_reference_backend(config: ReferenceBackendConfig) -> DrivenEngines[Any]:
     if config.uses_workers:
         return _build_data_parallel_backend(config)
 
@@ -68,7 +68,7 @@ def reference_worker_plan(config: ReferenceBackendConfig) -> WorkerPlan:
     )
 
 
-def _build_data_parallel_backend(config: ReferenceBackendConfig) -> EngineBackend:
+def _build_data_parallel_backend(config: ReferenceBackendConfig) -> DrivenEngines[Any]:
     from backends.workers.backend import DataParallelBackend
 
     return DataParallelBackend(

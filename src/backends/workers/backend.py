@@ -1,10 +1,10 @@
 """A backend over N data-parallel engine ranks in worker processes.
 
-It is ``EngineBackend`` (prompt encoding, ``max_tokens``, per-choice detokenizing, stop strings, logprobs on the
-event loop) with its driver swapped for a ``DataParallelDriver``: the request path is the same code whether the
-engine runs in process or in N workers. What it adds: readiness that reports degraded states (``3/4 ranks up``)
-and per-rank metric families (label ``rank``), whose numbers are the ranks' own (what each rank reports of itself,
-for every dispatcher), so every front end in front of the same ranks shows the same figures.
+It is the engine backend's request path (``DrivenEngines``: prompt encoding, ``max_tokens``, per-choice
+detokenizing, stop strings, logprobs on the event loop) over a ``DataParallelDriver``: the request path is the same
+code whether the engine runs in process or in N workers. What it adds: readiness that reports degraded states
+(``3/4 ranks up``) and per-rank metric families (label ``rank``), whose numbers are the ranks' own (what each rank
+reports of itself, for every dispatcher), so every front end in front of the same ranks shows the same figures.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from tokenizers import Tokenizer
 
-from backends.engine.backend import ChatTemplate, EngineBackend
+from backends.engine.backend import ChatTemplate, DrivenEngines
 from backends.engine.prompts import DEFAULT_PREPARE_THREADS
-from backends.engine.protocol import Engine
-from backends.workers.driver import DataParallelDriver, WorkerPlan
+from backends.workers.driver import DataParallelDriver
+from backends.workers.launch import WorkerPlan
 
 _KV_SAMPLE = "engine_kv_cache_usage_ratio"
 _DRAFT_TOKENS = "engine_spec_decode_draft_tokens"
@@ -38,14 +38,8 @@ class RankReport(NamedTuple):
     pid: int | None
 
 
-def _no_local_engine() -> Engine:
-    raise RuntimeError("a data-parallel backend runs its engines in worker processes")
-
-
-class DataParallelBackend(EngineBackend):
-    """``EngineBackend`` whose engines are ``plan.size`` worker processes."""
-
-    driver: DataParallelDriver  # type: ignore[assignment]
+class DataParallelBackend(DrivenEngines[DataParallelDriver]):
+    """The engine backend's request path over ``plan.size`` engines in worker processes."""
 
     def __init__(
         self,
@@ -57,8 +51,8 @@ class DataParallelBackend(EngineBackend):
         *,
         prepare_threads: int = DEFAULT_PREPARE_THREADS,
     ) -> None:
-        super().__init__(name, kind, _no_local_engine, chat_template, prepare_threads=prepare_threads)
-        self.driver = DataParallelDriver(name, plan, load_tokenizer)
+        driver = DataParallelDriver(name, plan, load_tokenizer)
+        super().__init__(name, kind, driver, chat_template, prepare_threads=prepare_threads)
 
     def readiness(self) -> tuple[bool, str]:
         ready, reason = super().readiness()
