@@ -131,7 +131,6 @@ class GenerateRequest:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     n: int = 1
     echo: bool = False
-    deadline: float | None = None  # time.monotonic() value after which the work is abandoned
     max_buffered_tokens: int | None = None  # most output a backend holds for a client that does not read; None: no cap
     user: str | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI tools list
