@@ -18,12 +18,11 @@ from gateway.capabilities import system_fingerprint
 from gateway.deadlines import Timeouts
 from gateway.errors import APIError
 from gateway.limits import KeyLimits, Reservation, admitted
-from gateway.metrics import RequestObserver
 from gateway.openai.output import ChatFormat, CompletionFormat
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing.stream import RoutedStream
 from gateway.state import GatewayState, gateway_state
-from gateway.streaming import Completion, merge_prompts, stream_response, whole_response
+from gateway.streaming import Completion, Serving, merge_prompts, stream_response, whole_response
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["generation"], route_class=OffloadedJSONRoute)  # 7 MiB bodies are parsed off the loop
@@ -46,18 +45,12 @@ def _timeouts(state: GatewayState) -> Timeouts:
     return Timeouts(server.request_timeout, server.idle_timeout, server.stall_timeout)
 
 
-def _served_by(
-    fmt: ChatFormat | CompletionFormat, observer: RequestObserver, headers: dict[str, str]
-) -> Callable[[Backend], None]:
-    """When a fallback takes a request over (before its first token, so before any header or frame is sent),
-    the response and its metrics name the backend that served it."""
-
-    def switch(backend: Backend) -> None:
-        fmt.fingerprint = system_fingerprint(backend)
-        observer.rebind(backend.name)
-        headers["X-Backend"] = backend.name
-
-    return switch
+def _serving(
+    backend: Backend, make_format: Callable[[str], ChatFormat | CompletionFormat], reservation: Reservation
+) -> Serving:
+    """The response's format and headers for the backend that serves it: asked for once the first event is in,
+    so after any fallback (the routed stream's ``backend`` is then the one that took over)."""
+    return Serving(make_format(system_fingerprint(backend)), {"X-Backend": backend.name, **reservation.headers})
 
 
 async def _respond(
@@ -74,13 +67,14 @@ async def _respond(
     on_complete: Completion | None = None,
 ) -> Response:
     """Observes, labels and sends the routed event stream as SSE or as one response."""
-    backend = events.backend
-    fmt = make_format(system_fingerprint(backend))
     limits = _limits(state)
-    observer = state.metrics.observer(model, backend.name, request.state.log)
+    observer = state.metrics.observer(model, events.backend.name, request.state.log)
     observer.on_finish = functools.partial(limits.settle_soon, reservation, log=observer.log)
-    headers = {"X-Backend": backend.name, **reservation.headers}
-    events.served_by = _served_by(fmt, observer, headers)
+    events.served_by = lambda backend: observer.rebind(backend.name)  # a fallback counts the request from then on
+
+    def serving() -> Serving:
+        return _serving(events.backend, make_format, reservation)
+
     timeouts = _timeouts(state)
 
     async def completed(usage: Usage | None) -> None:
@@ -97,10 +91,9 @@ async def _respond(
         return await stream_response(
             request,
             events,
-            fmt,
+            serving,
             observer,
             include_usage=include_usage,
-            headers=headers,
             timeouts=timeouts,
             ping_seconds=state.config.server.ping_seconds,
             on_complete=completed,
@@ -108,10 +101,9 @@ async def _respond(
     return await whole_response(
         request,
         events,
-        fmt,
+        serving,
         observer,
         want_logprobs=want_logprobs,
-        headers=headers,
         timeouts=timeouts,
         on_complete=completed,
     )
