@@ -15,15 +15,14 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from backends.errors import ContextLengthExceededError, InvalidRequestError, UpstreamError
-from backends.interface import Backend, GenerateRequest, SamplingOptions, TokenizingBackend, Usage
+from backends.errors import ContextLengthExceededError, InvalidRequestError
 from gateway.anthropic.output import MessagesFormat, new_id
 from gateway.anthropic.protocol import ConversationRequest, CountTokensRequest, MessagesRequest
 from gateway.anthropic.signatures import ThinkingSigner
 from gateway.anthropic.translate import generate_request, messages_terms
 from gateway.auth import request_label
 from gateway.bodies import OffloadedJSONRoute
-from gateway.capabilities import capability
+from gateway.counting import count_prompt
 from gateway.errors import APIError
 from gateway.limits import admitted
 from gateway.routes.generate import _limits, _respond
@@ -107,8 +106,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 
 @router.post("/v1/messages/count_tokens", response_model=None)
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
-    """The ``input_tokens`` ``/v1/messages`` reports for the same request: the model's first backend encodes the
-    prompt (or, when it does not expose its tokenizer, as LMDeploy, generates one token and reports its usage)."""
+    """The ``input_tokens`` ``/v1/messages`` reports for the same request, from a target chosen as for any request
+    (the model's policy, pinning, breakers, fallbacks) and within the key's budgets (``gateway.counting``)."""
     state = gateway_state(request)
     with _counted(state, "count_tokens"):
         _check_size(body, state)
@@ -116,26 +115,11 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
         generate = generate_request(
             body, request_id=request.state.request_id, model=model, signer=_signer(state), max_buffered_tokens=None
         )
-        backend = state.router.backends_of(model)[0]
+        generate.tenant = request_label(request)
+        generate.log = request.state.log
         try:
-            if (tokenizing := capability(backend, TokenizingBackend)) is not None:
-                count = len(await tokenizing.tokenize(generate))
-            else:
-                count = await _prompt_tokens_by_generating(backend, generate)
+            counted = await count_prompt(request, state, generate)
         except InvalidRequestError as exc:
             raise _in_messages_terms(exc) from None
-    body_out: dict[str, Any] = {"input_tokens": count}
-    return Response(orjson.dumps(body_out), media_type="application/json")
-
-
-async def _prompt_tokens_by_generating(backend: Backend, request: GenerateRequest) -> int:
-    """The prompt tokens a backend reports for the request, from a generation of one token (closed at once)."""
-    request.sampling = SamplingOptions(max_tokens=1, fit_context=True)
-    events = backend.generate(request)
-    try:
-        async for event in events:
-            if isinstance(event, Usage):
-                return event.prompt_tokens
-    finally:
-        await events.aclose()
-    raise UpstreamError(f"backend {backend.name!r} reported no usage for the prompt")
+    body_out: dict[str, Any] = {"input_tokens": counted.tokens}
+    return Response(orjson.dumps(body_out), media_type="application/json", headers=counted.headers)

@@ -1,0 +1,81 @@
+"""Counting a prompt's tokens (``/v1/messages/count_tokens``) the way the request itself would be served.
+
+A count is a request: the model's routing policy picks the target (pinning, breakers and fallbacks included, and the
+target's in-flight count and breaker see it), and the key's budgets admit it. How the target counts depends on what
+it offers:
+
+- a backend that exposes its tokenizer (``TokenizingBackend``: the engine backends) encodes the prompt exactly as
+  generation would, and generates nothing; the key is charged a request and no tokens;
+- a backend that does not (LMDeploy) runs the request with ``max_tokens`` 1 and reports the prompt tokens of its
+  usage. LMDeploy has no exact count short of that: ``/v1/encode`` takes one string (no messages, no tools), and
+  its own ``/v1/messages/count_tokens`` renders the messages without the tools and calls itself approximate. The one
+  token is real work, so the key is charged for it like any request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncGenerator
+from typing import NamedTuple
+
+from starlette.requests import Request
+
+from backends.errors import UpstreamError
+from backends.interface import Backend, Event, EventStream, GenerateRequest, SamplingOptions, TokenizingBackend, Usage
+from gateway.capabilities import capability
+from gateway.limits import admitted
+from gateway.metrics import RequestCost
+from gateway.state import GatewayState
+
+
+class Counted(NamedTuple):
+    tokens: int
+    headers: dict[str, str]
+    """``X-Backend`` (the target that counted) and the key's rate-limit headers."""
+
+
+class _Counting:
+    """Opens a count on the target the router chose, and remembers whether counting generated (and so cost)."""
+
+    __slots__ = ("generated", "request")
+
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request = request
+        self.generated = False
+
+    def open(self, backend: Backend) -> EventStream[Event]:
+        tokenizing = capability(backend, TokenizingBackend)
+        if tokenizing is not None:
+            self.generated = False
+            return _tokenized(tokenizing, self.request)
+        self.generated = True
+        one_token = SamplingOptions(max_tokens=1, fit_context=True)
+        return backend.generate(dataclasses.replace(self.request, sampling=one_token))
+
+
+async def _tokenized(tokenizing: TokenizingBackend, request: GenerateRequest) -> AsyncGenerator[Event, None]:
+    """The prompt's length as the one event of a stream: what a generation would report in its usage."""
+    yield Usage(len(await tokenizing.tokenize(request)), 0)
+
+
+async def _usage(events: EventStream[Event], backend: str) -> Usage:
+    try:
+        async for event in events:
+            if isinstance(event, Usage):
+                return event
+    finally:
+        await events.aclose()
+    raise UpstreamError(f"backend {backend!r} reported no usage for the prompt")
+
+
+async def count_prompt(request: Request, state: GatewayState, generate: GenerateRequest) -> Counted:
+    """The prompt tokens of ``generate`` on the target its model's routing chooses, admitted and charged."""
+    limits = state.limits
+    assert limits is not None
+    counting = _Counting(generate)
+    async with admitted(request, limits, 1) as reservation:
+        events = state.router.route(generate.model, generate, request.headers, counting.open)
+        usage = await _usage(events, events.backend.name)
+        cost = RequestCost(200, usage if counting.generated else None, 0, False, reached_backend=counting.generated)
+        await limits.settle(reservation, cost, generate.log)
+    return Counted(usage.prompt_tokens, {"X-Backend": events.backend.name, **reservation.headers})
