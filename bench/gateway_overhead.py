@@ -9,7 +9,7 @@ Four ways to reach the same OpenAI-compatible upstream:
   from the LMDeploy virtualenv the test harness builds once per machine (``tests/backends/lmdeploy/harness``);
 - ``gateway-VARIANT`` (``--stream-variants``): this gateway again, streaming through another primitive in place of
   ``gateway/sse.py`` + ``gateway/bursts.py`` (``bench/stream_primitives.py``: Starlette's ``StreamingResponse`` plus
-  a ping timer, or sse-starlette's ``EventSourceResponse``), the question of issue 25;
+  a ping timer, or sse-starlette's ``EventSourceResponse``): is our own primitive worth its code?
 - ``litellm``: LiteLLM's proxy (``litellm --config``, one worker) with the upstream as an ``openai/`` model,
   installed in its own virtualenv under ``$DEEPINFER_GATEWAY_CACHE/litellm-venv`` (default
   ``~/.cache/deepinfer-gateway``) so its dependencies never touch this project's.

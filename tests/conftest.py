@@ -85,7 +85,7 @@ class RunningGateway:
     def metric(self, sample: str, **labels: str) -> float:
         """The sum of ``/metrics`` samples named ``sample`` whose labels include ``labels`` (scraped with the admin
         key, when the gateway has one)."""
-        admin = self.state.config.server.admin_api_key
+        admin = self.state.config.server.auth.admin_api_key
         headers = {"Authorization": f"Bearer {admin}"} if admin else {}
         return sum(
             found.value

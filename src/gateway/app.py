@@ -62,7 +62,7 @@ def create_app(
     start_errors: dict[str, str] = {}
     metrics = GatewayMetrics()
     server = config.server
-    key_tiers = KeyTiers([(key_label(key, i), key) for i, key in enumerate(server.client_keys())])
+    key_tiers = KeyTiers([(key_label(key, i), key) for i, key in enumerate(server.auth.client_keys())])
     if backends is None:
         built: dict[str, Backend] = {}
         flow_metrics = FlowMetrics(metrics.registry)
@@ -77,16 +77,18 @@ def create_app(
                 built[backend_config.name] = _UnavailableBackend(backend_config.name, backend_config.kind, str(exc))
         backends = built
     metrics.watch_backends(backends.values())
-    store = SharedStateStore(server.state_store, clock=time.monotonic) if server.state_store else None
+    store = SharedStateStore(server.stores.state_store, clock=time.monotonic) if server.stores.state_store else None
     if store is not None:
         metrics.watch_state_store(store)
     tracing = start_tracing(server.tracing)
-    key_limits = KeyLimits(server, store=store, processes=server.workers, registry=metrics.registry, clock=budget_clock)
+    key_limits = KeyLimits(
+        server, store=store, processes=server.runtime.workers, registry=metrics.registry, clock=budget_clock
+    )
     stored_responses = StoredResponses(
         open_response_store(
-            server.responses_store,
-            max_age=server.responses_max_age,
-            max_bytes=server.responses_max_bytes,
+            server.stores.responses_store,
+            max_age=server.stores.responses_max_age,
+            max_bytes=server.stores.responses_max_bytes,
             shared=store.client if store is not None else None,
         ),
         metrics.registry,
@@ -113,11 +115,11 @@ def create_app(
         key_tiers=key_tiers,
         store=store,
         responses=stored_responses,
-        thinking_signer=signer_for(server.thinking_signature_key),
+        thinking_signer=signer_for(server.auth.thinking_signature_key),
         tracing=tracing,
         batches=batch_runner,
     )
-    json_parser = JSONBodyParser(config.server.json_parse_processes)
+    json_parser = JSONBodyParser(config.server.http.json_parse_processes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -125,7 +127,7 @@ def create_app(
         starting = asyncio.create_task(_start_backends(state))
         if serve_once_started:
             await asyncio.shield(starting)
-        if config.server.gc_tuning:
+        if config.server.runtime.gc_tuning:
             starting.add_done_callback(_freeze_gc)
         watching = asyncio.create_task(store.watch()) if store is not None else None
         batching = asyncio.create_task(batch_runner.serve(app)) if batch_runner is not None else None
@@ -167,14 +169,14 @@ def create_app(
     app.include_router(batches.router)
     app.add_middleware(
         ApiKeyMiddleware,
-        client_keys=config.server.client_keys(),
-        admin_key=config.server.admin_api_key,
-        public_metrics=config.server.public_metrics,
+        client_keys=config.server.auth.client_keys(),
+        admin_key=config.server.auth.admin_api_key,
+        public_metrics=config.server.auth.public_metrics,
     )
     app.add_middleware(
         RequestContextMiddleware,
-        max_body_bytes=config.server.max_body_bytes,
-        access_log=config.server.access_log,
+        max_body_bytes=config.server.http.max_body_bytes,
+        access_log=config.server.runtime.access_log,
         draining=lambda: state.draining,
         metrics=metrics,
         tracing=tracing,

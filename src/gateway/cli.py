@@ -24,8 +24,8 @@ ConfigOption = Annotated[
 @app.command()
 def serve(
     config: ConfigOption = None,
-    host: Annotated[str | None, typer.Option(help="Bind address (overrides server.host).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (overrides server.port).")] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (overrides server.http.host).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (overrides server.http.port).")] = None,
     log_level: Annotated[str | None, typer.Option(help="critical, error, warning, info or debug.")] = None,
 ) -> None:
     """Serve the OpenAI API. With no configuration, serves the CPU reference engine on 127.0.0.1:8000."""

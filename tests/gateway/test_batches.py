@@ -95,7 +95,8 @@ def tenants(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
 
 @contextlib.contextmanager
 def _batch_store(kind: str, folder: Path) -> Iterator[tuple[str | None, dict[str, Any], ValkeyServer | None]]:
-    """``server.state_store`` and ``server.batches`` for a store of that kind, and the real Valkey started for it."""
+    """``server.stores.state_store`` and ``server.batches`` for a store of that kind, and the real Valkey started for "
+    "it."""
     if kind == "sqlite":
         yield None, {"store": f"sqlite://{folder / 'batches.sqlite3'}"}, None
         return

@@ -49,7 +49,7 @@ def test_config_check_prints_the_resolved_config_with_the_environment_applied(tm
         "backends:\n  - name: ref\n    kind: reference\n    max_model_len: 1024\n"
         "models:\n  - name: my-model\n    backends: [ref]\n"
     )
-    env = {**os.environ, "GATEWAY_SERVER__PORT": "9123"}
+    env = {**os.environ, "GATEWAY_SERVER__HTTP__PORT": "9123"}
     result = subprocess.run([*CLI, "config", "check", str(config)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert "port: 9123" in result.stdout
@@ -64,7 +64,7 @@ def test_config_check_names_every_bad_key(tmp_path: Path) -> None:
     )
     result = subprocess.run([*CLI, "config", "check", str(config)], capture_output=True, text=True)
     assert result.returncode == 2
-    assert "server.port" in result.stderr
+    assert "server.http.port" in result.stderr
     assert "backends[0].max_num_seqs" in result.stderr
 
 
@@ -95,15 +95,15 @@ SECRETS = (
     "sk-responses-password-7",
 )
 STORE_ENV = {  # as deploy/kubernetes/scale-out gives them
-    "GATEWAY_SERVER__STATE_STORE": "redis://gateway:sk-budgets-password-6@budgets:6379/0",
-    "GATEWAY_SERVER__RESPONSES_STORE": "redis://gateway:sk-responses-password-7@responses:6379/0",
+    "GATEWAY_SERVER__STORES__STATE_STORE": "redis://gateway:sk-budgets-password-6@budgets:6379/0",
+    "GATEWAY_SERVER__STORES__RESPONSES_STORE": "redis://gateway:sk-responses-password-7@responses:6379/0",
 }
 
 
 def test_config_check_redacts_every_key_unless_asked_to_show_them(tmp_path: Path) -> None:
     config = tmp_path / "secrets.yaml"
     config.write_text(SECRET_CONFIG)
-    env = {**os.environ, "GATEWAY_SERVER__ADMIN_API_KEY": "sk-admin-from-env-4", **STORE_ENV}
+    env = {**os.environ, "GATEWAY_SERVER__AUTH__ADMIN_API_KEY": "sk-admin-from-env-4", **STORE_ENV}
     result = subprocess.run([*CLI, "config", "check", str(config)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     for secret in SECRETS:

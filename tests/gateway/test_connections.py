@@ -185,7 +185,7 @@ def test_a_body_that_arrives_after_its_early_answer_is_not_mistaken_for_the_next
     """The app answers a 413 from the Content-Length before reading the body; the body the client sends after that
     answer (larger than max_header_bytes) is still that request's, and the next request on the connection is served.
     """
-    limit = strict.server.config.app.state.gateway.config.server.max_body_bytes
+    limit = strict.server.config.app.state.gateway.config.server.http.max_body_bytes
     size = limit + 1
     with strict.connect() as sock:
         reader = sock.makefile("rb")

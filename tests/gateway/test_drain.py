@@ -1,4 +1,5 @@
-"""SIGTERM drains: streams in flight finish (up to server.drain_seconds), then the rest are cut and engines close."""
+"""SIGTERM drains: streams in flight finish (up to server.runtime.drain_seconds), then the rest are cut and engines "
+"close."""
 
 from __future__ import annotations
 

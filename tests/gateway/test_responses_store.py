@@ -228,7 +228,7 @@ def test_store_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         GatewayConfig(server={"responses_store": "mysql://localhost"})
     with pytest.raises(ValidationError, match="memory keeps responses in one process"):
         GatewayConfig(server={"responses_store": "memory", "workers": 2})
-    assert GatewayConfig(server={"responses_store": "sqlite", "workers": 2}).server.workers == 2
+    assert GatewayConfig(server={"responses_store": "sqlite", "workers": 2}).server.runtime.workers == 2
 
 
 def test_a_store_that_cannot_write_is_counted_and_answers_500s_never_crashes(tmp_path: Path) -> None:

@@ -142,7 +142,7 @@ def test_every_script_keeps_to_one_slot_of_a_cluster(tmp_path: Path) -> None:
     cluster = ValkeyServer(tmp_path, cluster=True)
     cluster.start()
     config = _config(cluster.url, requests_per_minute=100, tokens_per_minute=100_000)
-    config.server.responses_store = cluster.url
+    config.server.stores.responses_store = cluster.url
     running = start_gateway(config, budget_clock=FrozenClock())
     try:
         assert post(running.base_url, KEY, CHAT).status_code == 200

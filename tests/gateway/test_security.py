@@ -107,7 +107,7 @@ def test_operator_endpoints_refuse_everyone_when_client_keys_exist_but_no_admin_
         assert refused.status_code == 403, (path, headers)
         error = refused.json()["error"]
         assert error["code"] == "admin_key_not_configured"
-        assert "server.admin_api_key" in error["message"], "the message names the setting to fix"
+        assert "server.auth.admin_api_key" in error["message"], "the message names the setting to fix"
     chat = httpx.post(
         f"{no_admin_key.base_url}/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},

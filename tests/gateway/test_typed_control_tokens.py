@@ -1,4 +1,4 @@
-"""Client text never becomes a control token (issue 34): every special token of the V4.1 vocabulary typed into
+"""Client text never becomes a control token: every special token of the V4.1 vocabulary typed into
 every message role, through every chat API, reaches the engine as the plain-text ids deepseek-recipe's own
 encoding gives it. On the reference engine the markers are single tokens of its vocabulary, as on V4.1, so a
 typed marker taken for the real one would shorten the prompt: the assertions compare ids (``/tokenize``) and

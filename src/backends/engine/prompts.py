@@ -15,7 +15,7 @@ rather than four: the SDK's cost is per span).
 A small prompt with nothing to compile (``INLINE_PROMPT_CHARS``, no tools, no ``response_format``, not traced) is
 prepared on the event loop instead: rendering and tokenizing a few hundred characters takes tens of microseconds,
 less than the hand-off to a pool thread and back (a queue, two thread wake-ups, the loop's self-pipe), which was
-about a tenth of the front end's CPU per request on short chats (issue 23).
+about a tenth of the front end's CPU per request on short chats.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A request becomes a chat ``GenerateRequest`` (its input items, and those of the responses it continues, as chat
 messages), is routed, admitted, observed and streamed exactly as a chat completion is, and its events come back
-as Responses output items. Stored responses live in ``state.responses`` (``server.responses_store``) and belong
+as Responses output items. Stored responses live in ``state.responses`` (``server.stores.responses_store``) and belong
 to the tenant that created them: another tenant's id gets the answer an unknown id gets (404 here, and
 ``previous_response_not_found`` when continued), so a response's existence is not revealed either. The admin key
 reads none of them (it is for operating the gateway, not for reading tenants' conversations).
@@ -57,7 +57,7 @@ async def _history(state: GatewayState, previous_id: str, owner: str) -> tuple[l
     """The items of the conversation so far (each earlier response's input items, then its output) and the
     tokens they come to, as far as the last response's usage tells (its input was the whole conversation before
     it)."""
-    chain = await _stored(state).chain(previous_id, owner, state.config.server.max_messages)
+    chain = await _stored(state).chain(previous_id, owner, state.config.server.limits.max_messages)
     if chain is None:
         raise APIError(
             400,
@@ -93,10 +93,10 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
             param=f"input[{position}]",
         )
     messages = chat_messages(body.instructions, history + body.items)
-    if len(messages) > server.max_messages:
-        raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="input")
-    if body.tools and len(body.tools) > server.max_tools:
-        raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
+    if len(messages) > server.limits.max_messages:
+        raise APIError(400, f"at most {server.limits.max_messages} messages are allowed.", param="input")
+    if body.tools and len(body.tools) > server.limits.max_tools:
+        raise APIError(400, f"at most {server.limits.max_tools} tools are allowed.", param="tools")
     model = state.router.served_name(body.model)
     response_id = new_id("resp")
     created_at = time.time()

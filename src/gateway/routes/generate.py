@@ -31,8 +31,8 @@ MAX_PROMPTS = 64
 
 
 def _check_n(n: int, state: GatewayState) -> None:
-    if n > state.config.server.max_n:
-        raise APIError(400, f"n must be at most {state.config.server.max_n}.", param="n")
+    if n > state.config.server.limits.max_n:
+        raise APIError(400, f"n must be at most {state.config.server.limits.max_n}.", param="n")
 
 
 def _limits(state: GatewayState) -> KeyLimits:
@@ -42,7 +42,7 @@ def _limits(state: GatewayState) -> KeyLimits:
 
 def _timeouts(state: GatewayState) -> Timeouts:
     server = state.config.server
-    return Timeouts(server.request_timeout, server.idle_timeout, server.stall_timeout)
+    return Timeouts(server.streams.request_timeout, server.streams.idle_timeout, server.streams.stall_timeout)
 
 
 def _serving(
@@ -95,7 +95,7 @@ async def _respond(
             observer,
             include_usage=include_usage,
             timeouts=timeouts,
-            ping_seconds=state.config.server.ping_seconds,
+            ping_seconds=state.config.server.streams.ping_seconds,
             on_complete=completed,
         )
     return await whole_response(
@@ -115,10 +115,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = gateway_state(request)
     _check_n(body.n, state)
     server = state.config.server
-    if len(body.messages) > server.max_messages:
-        raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="messages")
-    if body.tools and len(body.tools) > server.max_tools:
-        raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
+    if len(body.messages) > server.limits.max_messages:
+        raise APIError(400, f"at most {server.limits.max_messages} messages are allowed.", param="messages")
+    if body.tools and len(body.tools) > server.limits.max_tools:
+        raise APIError(400, f"at most {server.limits.max_tools} tools are allowed.", param="tools")
     problem = body.tool_choice_problem()
     if problem is not None:
         raise APIError(400, problem, param="tool_choice")
@@ -135,7 +135,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 max_tokens=body.output_limit(), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0
             ),
             n=body.n,
-            max_buffered_tokens=server.stream_buffer_tokens,
+            max_buffered_tokens=server.streams.stream_buffer_tokens,
             user=body.user if body.user is not None else body.user_id,
             tools=body.tools,
             tool_choice=body.tool_choice,
@@ -190,7 +190,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 sampling=sampling,
                 n=body.n,
                 echo=body.echo,
-                max_buffered_tokens=state.config.server.stream_buffer_tokens,
+                max_buffered_tokens=state.config.server.streams.stream_buffer_tokens,
                 user=body.user,
                 service_tier=tier,
                 priority=body.priority,

@@ -43,10 +43,10 @@ def _signer(state: GatewayState) -> ThinkingSigner:
 
 def _check_size(body: ConversationRequest, state: GatewayState) -> None:
     server = state.config.server
-    if len(body.messages) > server.max_messages:
-        raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="messages")
-    if body.tools and len(body.tools) > server.max_tools:
-        raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
+    if len(body.messages) > server.limits.max_messages:
+        raise APIError(400, f"at most {server.limits.max_messages} messages are allowed.", param="messages")
+    if body.tools and len(body.tools) > server.limits.max_tools:
+        raise APIError(400, f"at most {server.limits.max_tools} tools are allowed.", param="tools")
 
 
 def _in_messages_terms(exc: InvalidRequestError) -> InvalidRequestError:
@@ -71,7 +71,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         request_id=request.state.request_id,
         model=model,
         signer=_signer(state),
-        max_buffered_tokens=state.config.server.stream_buffer_tokens,
+        max_buffered_tokens=state.config.server.streams.stream_buffer_tokens,
     )
     # Anthropic's auto is the key's default tier; standard_only is the default tier when the key may use it.
     generate.tenant = request_label(request)

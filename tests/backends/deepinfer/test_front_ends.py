@@ -1,4 +1,5 @@
-"""``kind: deepinfer`` under ``server.workers: 2``: the supervisor hosts the engines once, every front end serves.
+"""``kind: deepinfer`` under ``server.runtime.workers: 2``: the supervisor hosts the engines once, every front end
+serves.
 
 The gateway runs through its CLI (``deepinfer-gateway serve``) as a user runs it. The rank workers import the TEST
 DOUBLEs of ``deepinfer`` and ``torch.distributed`` through ``PYTHONPATH`` (as in ``test_data_parallel.py``); the

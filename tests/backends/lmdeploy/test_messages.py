@@ -70,7 +70,7 @@ def test_a_forced_tool_call_comes_back_as_a_tool_use_block(claude: anthropic.Ant
 def test_a_stream_that_goes_quiet_gets_ping_events(node: HarnessNode) -> None:
     """The upstream pauses after its first token for 20 ping intervals; the pause ends the wait, not a clock."""
     config = gateway_config([node.url])
-    config.server.ping_seconds = 0.05
+    config.server.streams.ping_seconds = 0.05
     running = start_gateway(config)
     body = {
         "model": PUBLIC_MODEL,
