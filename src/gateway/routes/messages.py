@@ -24,8 +24,7 @@ from gateway.auth import request_label
 from gateway.bodies import OffloadedJSONRoute
 from gateway.counting import count_prompt
 from gateway.errors import APIError
-from gateway.limits import admitted
-from gateway.routes.generate import _limits, _respond
+from gateway.pipeline import Reply, serve
 from gateway.routes.tokenize import _counted
 from gateway.state import GatewayState, gateway_state
 
@@ -86,20 +85,10 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         omit_thinking=body.reasoning_display_omitted(),
         service_tier=generate.service_tier,
     )
+    # The usage ends a Messages stream: it carries message_delta.
+    reply = Reply(lambda _fingerprint: fmt, stream=body.stream, include_usage=True, want_logprobs=False)
     try:
-        async with admitted(request, _limits(state), body.max_tokens) as reservation:
-            events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
-            return await _respond(
-                request,
-                state,
-                events,
-                lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
-                model=model,
-                reservation=reservation,
-                stream=body.stream,
-                include_usage=True,  # the usage ends a Messages stream: it carries message_delta
-                want_logprobs=False,
-            )
+        return await serve(request, state, generate, reply, reserve=body.max_tokens)
     except InvalidRequestError as exc:
         raise _in_messages_terms(exc) from None
 
