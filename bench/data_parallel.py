@@ -91,7 +91,7 @@ def start_gateway(
         backend["lockstep"] = args.lockstep
     return serve_gateway(
         {
-            "server": {"access_log": False, "workers": front_ends},
+            "server": {"runtime": {"access_log": False, "workers": front_ends}},
             "backends": [backend],
             "models": [{"name": MODEL, "backends": ["reference"]}],
         },

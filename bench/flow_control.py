@@ -52,13 +52,14 @@ def config(mode: str, workers: int, step: float) -> dict[str, Any]:
         backend["worker_processes"] = True
     return {
         "server": {
-            "workers": workers,
-            "access_log": False,
-            "api_keys": [
-                {"key": KEYS["flood"], "name": "flood"},
-                {"key": KEYS["light"], "name": "light"},
-                {"key": KEYS["premium"], "name": "premium"},
-            ],
+            "auth": {
+                "api_keys": [
+                    {"key": KEYS["flood"], "name": "flood"},
+                    {"key": KEYS["light"], "name": "light"},
+                    {"key": KEYS["premium"], "name": "premium"},
+                ]
+            },
+            "runtime": {"workers": workers, "access_log": False},
         },
         "backends": [backend],
         "models": [{"name": MODEL, "backends": ["reference"]}],

@@ -138,7 +138,7 @@ def serve_gateway(
 def start_upstream(kind: str, model: str | None, workdir: Path, pace_ms: float) -> Target:
     if kind == "reference":
         config = {
-            "server": {"access_log": False, "log_level": "warning"},
+            "server": {"runtime": {"access_log": False, "log_level": "warning"}},
             "backends": [{"name": "reference", "kind": "reference", "max_num_seqs": 256}],
             "models": [{"name": "deepinfer-reference", "backends": ["reference"]}],
         }
@@ -174,7 +174,7 @@ def start_gateway(upstream: Target, workdir: Path, connections: int, variant: st
     """This gateway with a ``kind: lmdeploy`` backend in front of the upstream; with ``variant``, streaming through
     that alternative primitive (``bench/stream_primitives.py``)."""
     config = {
-        "server": {"access_log": False, "log_level": "warning"},
+        "server": {"runtime": {"access_log": False, "log_level": "warning"}},
         "backends": [
             {
                 "name": "upstream",

@@ -353,7 +353,7 @@ def test_deployment_is_hardened_and_bounded() -> None:
 
 def test_termination_grace_period_outlasts_the_gateway_drain() -> None:
     configmap = yaml.safe_load(resource("ConfigMap")["data"]["config.yaml"]) or {}
-    drain = ServerConfig(**configmap.get("server", {})).drain_seconds
+    drain = ServerConfig(**configmap.get("server", {})).runtime.drain_seconds
     pod = resource("Deployment")["spec"]["template"]["spec"]
     pre_stop = gateway_container().get("lifecycle", {}).get("preStop", {})
     command = pre_stop.get("exec", {}).get("command", [])

@@ -62,7 +62,7 @@ def serve_front_ends(tmp_path: Path, backends: list[dict[str, Any]]) -> Iterator
     """``deepinfer-gateway serve`` with two front ends and one model per backend; killed (with its tree) after."""
     port = free_port()
     config = {
-        "server": {"port": port, "workers": 2},
+        "server": {"http": {"port": port}, "runtime": {"workers": 2}},
         "backends": backends,
         "models": [{"name": b["name"], "backends": [b["name"]]} for b in backends],
     }

@@ -29,6 +29,7 @@ from backends.workers.spec import WorkerSpec
 from gateway.config import GatewayConfig
 
 from ...conftest import RunningGateway, start_gateway, stop_gateway, wait_until
+from ...waiting import wait_ready
 from .conftest import STEP, driver_of, open_stream
 
 FACTORY = "backends.reference.backend:build_rank_engine"
@@ -201,7 +202,7 @@ def test_a_lost_front_end_has_its_requests_aborted_on_the_ranks_while_the_other_
     survivor = start_front_end(rank_endpoints)
     port = free_port("127.0.0.1")
     config = {
-        "server": {"port": port},
+        "server": {"http": {"port": port}},
         "backends": [front_end_backend(rank_endpoints)],
         "models": [{"name": "dp", "backends": ["dp"]}],
     }
@@ -219,7 +220,7 @@ def test_a_lost_front_end_has_its_requests_aborted_on_the_ranks_while_the_other_
         "stream": True,
     }
     try:
-        assert wait_until(lambda: _ready(base), timeout=120)
+        assert wait_ready(f"{base}/ready", timeout=120)
         assert wait_until(lambda: others_on_ranks(survivor) == 0, timeout=30)
         with httpx.Client(base_url=base, timeout=60) as http, contextlib.ExitStack() as streams:
             readers = []
@@ -251,17 +252,10 @@ def test_a_lost_front_end_has_its_requests_aborted_on_the_ranks_while_the_other_
 
             assert wait_until(lambda: len(details()) == 2, timeout=30)
             assert all("dropped this dispatcher" in detail for detail in details()), details()
-        assert wait_until(lambda: _ready(base), timeout=60)
+        assert wait_ready(f"{base}/ready", timeout=60)
         assert seeded_chat(base, "Back again?", "thawed")
     finally:
         if victim.poll() is None:
             victim.kill()
             victim.wait()
         stop_gateway(survivor)
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/ready", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False

@@ -21,7 +21,7 @@ HI = [{"role": "user", "content": "Hi"}]
 @pytest.fixture(scope="module")
 def counting_gateway() -> Iterator[RunningGateway]:
     config = GatewayConfig(
-        server={"api_keys": [KEY, {"key": ONE_REQUEST_KEY, "name": "once", "requests_per_minute": 1}]},
+        server={"auth": {"api_keys": [KEY, {"key": ONE_REQUEST_KEY, "name": "once", "requests_per_minute": 1}]}},
         backends=[{"name": "left", "kind": "reference"}, {"name": "right", "kind": "reference"}],
         models=[{"name": "pair", "backends": ["left", "right"], "allow_pin_header": True}],
     )
