@@ -9,7 +9,10 @@ import httpx
 import httpx2
 import pytest
 
+from gateway.server_config import ApiKeyConfig
+
 from ...anthropic_conformance import ConformingTransport, checked_stream
+from ...budget_client import charged
 from ...conftest import RunningGateway, start_gateway, stop_gateway
 from .conftest import PUBLIC_MODEL, gateway_config
 from .harness.server import HarnessNode
@@ -48,6 +51,20 @@ def test_a_streamed_message_thinks_then_answers_and_counts_its_prompt(
     assert final.stop_reason == "end_turn" and final.usage.output_tokens > 0
     counted = claude.messages.count_tokens(model=PUBLIC_MODEL, thinking={"type": "adaptive"}, messages=said)
     assert counted.input_tokens == final.usage.input_tokens, "LMDeploy counts by generating one token"
+
+
+def test_a_count_on_lmdeploy_is_charged_the_one_token_it_generates(node: HarnessNode) -> None:
+    """LMDeploy counts by running the prompt for one token: real work, so the key pays for it like a request."""
+    config = gateway_config([node.url], failure_threshold=1000)
+    config.server.auth.api_keys = [ApiKeyConfig(key="sk-counting-key", name="counting", tokens_per_minute=100_000)]
+    config.server.auth.public_metrics = True  # the test reads what the key was charged
+    running = start_gateway(config)
+    try:
+        client = anthropic.Anthropic(base_url=running.base_url, api_key="sk-counting-key", max_retries=0)
+        counted = client.messages.count_tokens(model=PUBLIC_MODEL, messages=[{"role": "user", "content": "Hi there"}])
+        assert charged(running, "counting") == counted.input_tokens + 1
+    finally:
+        stop_gateway(running)
 
 
 def test_a_forced_tool_call_comes_back_as_a_tool_use_block(claude: anthropic.Anthropic) -> None:

@@ -11,17 +11,28 @@ import pytest
 
 from gateway.config import GatewayConfig
 
+from ...budget_client import charged
 from ...conftest import RunningGateway, start_gateway, stop_gateway
 
 KEY = "sk-count-0001"
 ONE_REQUEST_KEY = "sk-count-once"
+TOKENS_KEY = "sk-count-tokens"
 HI = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
 def counting_gateway() -> Iterator[RunningGateway]:
     config = GatewayConfig(
-        server={"auth": {"api_keys": [KEY, {"key": ONE_REQUEST_KEY, "name": "once", "requests_per_minute": 1}]}},
+        server={
+            "auth": {
+                "api_keys": [
+                    KEY,
+                    {"key": ONE_REQUEST_KEY, "name": "once", "requests_per_minute": 1},
+                    {"key": TOKENS_KEY, "name": "tokens", "tokens_per_minute": 100_000},
+                ],
+                "public_metrics": True,  # the test reads what keys were charged
+            }
+        },
         backends=[{"name": "left", "kind": "reference"}, {"name": "right", "kind": "reference"}],
         models=[{"name": "pair", "backends": ["left", "right"], "allow_pin_header": True}],
     )
@@ -57,3 +68,11 @@ def test_a_count_takes_a_request_from_the_keys_budget(counting_gateway: RunningG
     assert client.messages.count_tokens(model="pair", messages=HI).input_tokens > 0
     with pytest.raises(anthropic.RateLimitError):
         client.messages.count_tokens(model="pair", messages=HI)
+
+
+def test_a_count_the_engine_answers_from_its_tokenizer_is_charged_no_tokens(counting_gateway: RunningGateway) -> None:
+    client = _client(counting_gateway, TOKENS_KEY)
+    assert client.messages.count_tokens(model="pair", messages=HI).input_tokens > 0
+    assert charged(counting_gateway, "tokens") == 0
+    assert client.messages.create(model="pair", max_tokens=2, messages=HI).usage.output_tokens > 0
+    assert charged(counting_gateway, "tokens") > 0, "the same key's generation is charged (the metric counts)"
