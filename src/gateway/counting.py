@@ -23,8 +23,8 @@ from starlette.requests import Request
 from backends.errors import UpstreamError
 from backends.interface import Backend, Event, EventStream, GenerateRequest, SamplingOptions, TokenizingBackend, Usage
 from gateway.capabilities import capability
-from gateway.limits import admitted
 from gateway.metrics import RequestCost
+from gateway.pipeline import key_limits, route, within_limits
 from gateway.state import GatewayState
 
 
@@ -69,13 +69,12 @@ async def _usage(events: EventStream[Event], backend: str) -> Usage:
 
 
 async def count_prompt(request: Request, state: GatewayState, generate: GenerateRequest) -> Counted:
-    """The prompt tokens of ``generate`` on the target its model's routing chooses, admitted and charged."""
-    limits = state.limits
-    assert limits is not None
+    """The prompt tokens of ``generate`` on the target its model's routing chooses, admitted and charged: the first
+    hops of ``gateway.pipeline``, then the count instead of a stream."""
     counting = _Counting(generate)
-    async with admitted(request, limits, 1) as reservation:
-        events = state.router.route(generate.model, generate, request.headers, counting.open)
+    async with within_limits(request, state, 1) as reservation:
+        events = route(request, state, generate, counting.open)
         usage = await _usage(events, events.backend.name)
         cost = RequestCost(200, usage if counting.generated else None, 0, False, reached_backend=counting.generated)
-        await limits.settle(reservation, cost, generate.log)
+        await key_limits(state).settle(reservation, cost, generate.log)
     return Counted(usage.prompt_tokens, {"X-Backend": events.backend.name, **reservation.headers})
