@@ -346,6 +346,15 @@ class TokenizingBackend(Protocol):
 
 
 @runtime_checkable
+class PromptCountingBackend(Protocol):
+    """Optional capability of a backend that does not expose its tokenizer but can count a prompt without generating
+    (an upstream's own count): the prompt tokens ``generate`` would report, or None where its count would not be
+    exact for this request."""
+
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int | None: ...
+
+
+@runtime_checkable
 class FingerprintedBackend(Protocol):
     """Optional capability of a backend: the ``system_fingerprint`` its responses carry (engine, version, ...)."""
 

@@ -6,22 +6,34 @@ it offers:
 
 - a backend that exposes its tokenizer (``TokenizingBackend``: the engine backends) encodes the prompt exactly as
   generation would, and generates nothing; the key is charged a request and no tokens;
-- a backend that does not (LMDeploy) runs the request with ``max_tokens`` 1 and reports the prompt tokens of its
-  usage. LMDeploy has no exact count short of that: ``/v1/encode`` takes one string (no messages, no tools), and
-  its own ``/v1/messages/count_tokens`` renders the messages without the tools and calls itself approximate. The one
-  token is real work, so the key is charged for it like any request.
+- a backend that counts without generating where it can be exact (``PromptCountingBackend``: LMDeploy asks a
+  node's own ``/v1/messages/count_tokens``, exact for plain-text conversations) does so; no tokens are charged;
+- otherwise (LMDeploy with tools, thinking or template arguments, or behind its proxy) the request runs with
+  ``max_tokens`` 1 and the prompt tokens of its usage are the count. LMDeploy has no exact count short of that:
+  ``/v1/encode`` takes one string (no messages, no tools), and its ``count_tokens`` renders the messages without the
+  tools or template arguments. The one token is real work, so the key is charged for it like any request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from typing import NamedTuple
 
 from starlette.requests import Request
 
 from backends.errors import UpstreamError
-from backends.interface import Backend, Event, EventStream, GenerateRequest, SamplingOptions, TokenizingBackend, Usage
+from backends.interface import (
+    Backend,
+    Event,
+    EventStream,
+    GenerateRequest,
+    PromptCountingBackend,
+    SamplingOptions,
+    TokenizingBackend,
+    Usage,
+)
 from gateway.capabilities import capability
 from gateway.metrics import RequestCost
 from gateway.pipeline import key_limits, route, within_limits
@@ -44,18 +56,37 @@ class _Counting:
         self.generated = False
 
     def open(self, backend: Backend) -> EventStream[Event]:
+        self.generated = False
         tokenizing = capability(backend, TokenizingBackend)
         if tokenizing is not None:
-            self.generated = False
-            return _tokenized(tokenizing, self.request)
+            return _usage_of(_tokenized_length(tokenizing, self.request))
+        counting = capability(backend, PromptCountingBackend)
+        return self._counted_else_generated(backend, counting)
+
+    async def _counted_else_generated(
+        self, backend: Backend, counting: PromptCountingBackend | None
+    ) -> AsyncGenerator[Event, None]:
+        """The backend's own count when it has an exact one, else the usage of a one-token generation."""
+        counted = await counting.count_prompt_tokens(self.request) if counting is not None else None
+        if counted is not None:
+            yield Usage(counted, 0)
+            return
         self.generated = True
         one_token = SamplingOptions(max_tokens=1, fit_context=True)
-        return backend.generate(dataclasses.replace(self.request, sampling=one_token))
+        async with contextlib.aclosing(
+            backend.generate(dataclasses.replace(self.request, sampling=one_token))
+        ) as events:
+            async for event in events:
+                yield event
 
 
-async def _tokenized(tokenizing: TokenizingBackend, request: GenerateRequest) -> AsyncGenerator[Event, None]:
-    """The prompt's length as the one event of a stream: what a generation would report in its usage."""
-    yield Usage(len(await tokenizing.tokenize(request)), 0)
+async def _tokenized_length(tokenizing: TokenizingBackend, request: GenerateRequest) -> int:
+    return len(await tokenizing.tokenize(request))
+
+
+async def _usage_of(count: Awaitable[int]) -> AsyncGenerator[Event, None]:
+    """A prompt's length as the one event of a stream: what a generation would report in its usage."""
+    yield Usage(await count, 0)
 
 
 async def _usage(events: EventStream[Event], backend: str) -> Usage:
