@@ -2,7 +2,7 @@
 #   docker build -t deepinfer-gateway:0.1.0 .
 #   docker run --rm -p 8000:8000 deepinfer-gateway:0.1.0
 # The default config is /etc/deepinfer-gateway/config.yaml (deploy/config/reference.yaml); mount another file there,
-# or override single keys with GATEWAY_* variables (e.g. -e GATEWAY_SERVER__LOG_LEVEL=debug).
+# or override single keys with GATEWAY_* variables (e.g. -e GATEWAY_SERVER__RUNTIME__LOG_LEVEL=debug).
 FROM python:3.11.13-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

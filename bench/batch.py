@@ -37,7 +37,7 @@ MODEL = "bench-batch"
 def _config(args: argparse.Namespace, store: Path) -> dict[str, Any]:
     return {
         "server": {
-            "access_log": False,
+            "runtime": {"access_log": False},
             "batches": {
                 "store": f"sqlite://{store}",
                 "concurrency_per_batch": args.batch_concurrency,

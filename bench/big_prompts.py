@@ -99,7 +99,11 @@ def run_case(
     if max_model_len is not None:
         backend["max_model_len"] = max_model_len
     process, base_url, config = serve_gateway(
-        {"server": {"access_log": False}, "backends": [backend], "models": [{"name": MODEL, "backends": ["reference"]}]}
+        {
+            "server": {"runtime": {"access_log": False}},
+            "backends": [backend],
+            "models": [{"name": MODEL, "backends": ["reference"]}],
+        }
     )
     try:
         bodies = [

@@ -3,9 +3,9 @@
 Starts the real gateway (``deepinfer-gateway serve``) over the reference engine with its timing model imitating a
 decode step (``--step`` seconds, ``--tokens-per-step`` tokens per request per step, ``--max-num-seqs`` slots per
 rank), once per layout: the engine in the gateway process (``inproc``), then 1, 2 and 4 worker processes, and
-``RxF``: R rank workers shared by F front-end processes (``server.workers: F``; the supervisor hosts the ranks and
-every front end dispatches to all of them). Each layout gets the same closed-loop load of streaming chat requests,
-and reports:
+``RxF``: R rank workers shared by F front-end processes (``server.runtime.workers: F``; the supervisor hosts the
+ranks and every front end dispatches to all of them). Each layout gets the same closed-loop load of streaming chat
+requests, and reports:
 
 - tokens/s and requests/s;
 - the balance ratio: max / min requests dispatched per rank;
@@ -21,14 +21,14 @@ and reports:
   sent: the ranks count what they took, so every scrape should show them all.
 
 Usage: ``python bench/data_parallel.py --duration 15 --concurrency 256`` (add ``--lockstep --layouts 2,4`` for
-ranks that step together; ``--layouts 2,2x2`` compares one and two front ends in front of two ranks). The probe
-of issue 23: ``--layouts 2,2x2 --concurrency 64 --max-tokens 256``. ``--against ../main/src --rounds 3`` runs every
-layout with this tree and with another checkout's source, interleaved (the order alternating each round), and
+ranks that step together; ``--layouts 2,2x2`` compares one and two front ends in front of two ranks). The
+front-end CPU probe: ``--layouts 2,2x2 --concurrency 64 --max-tokens 256``. ``--against ../main/src --rounds 3``
+runs every layout with this tree and with another checkout's source, interleaved (the order alternating each round), and
 reports each pair's ratio. With ``--simultaneous`` the two trees' gateways (started in an order that alternates
 each round) serve at the same time, each under the same closed-loop load: on a machine shared with other work,
 both then see the same contention (on a loaded 2-core host, one session's interleaved pairs gave ratios from 0.79
 to 1.07, its simultaneous pairs from 0.86 to 0.99, each layout's within ±3%). Calibrate with two identical trees
-first: on the 2-core VM of issue 23 such pairs gave 0.93 to 1.05 with one front end and 0.99 to 1.07 with two, so
+first: on a 2-core VM such pairs gave 0.93 to 1.05 with one front end and 0.99 to 1.07 with two, so
 an effect of a few percent needs many rounds to show.
 """
 
@@ -91,7 +91,7 @@ def start_gateway(
         backend["lockstep"] = args.lockstep
     return serve_gateway(
         {
-            "server": {"access_log": False, "workers": front_ends},
+            "server": {"runtime": {"access_log": False, "workers": front_ends}},
             "backends": [backend],
             "models": [{"name": MODEL, "backends": ["reference"]}],
         },

@@ -16,9 +16,9 @@ model, so the engine runs far ahead of any client) and runs two probes on raw lo
 Usage: ``python bench/disconnects.py`` (all probes) or e.g. ``python bench/disconnects.py --clients 200 --close rst
 --skip-slow-readers``; ``--config-server '{"stall_timeout": 5}'`` adds ``server`` settings to the config,
 ``--config-backend '{...}'`` backend settings. ``--layouts inproc,2,2x2`` runs the probes once per layout: the
-engine in process, 2 rank workers, 2 rank workers shared by 2 front-end processes (``server.workers``); with rank
-workers the tokens are the ranks' own counts, the same whichever front end a scrape reaches (issue 23's table:
-``--layouts 2,2x2 --clients 200 --close fin --skip-slow-readers``).
+engine in process, 2 rank workers, 2 rank workers shared by 2 front-end processes (``server.runtime.workers``);
+with rank workers the tokens are the ranks' own counts, the same whichever front end a scrape reaches (the table in
+docs/data-parallel.md: ``--layouts 2,2x2 --clients 200 --close fin --skip-slow-readers``).
 """
 
 from __future__ import annotations

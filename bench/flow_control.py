@@ -12,9 +12,9 @@ Against each it runs the same load for ``--seconds``:
 Every request asks for ``--tokens`` tokens (``ignore_eos``). It reports TTFT p50 / p99 (client side, from sending
 the request to the first content delta) and refusals (503) by mode and class.
 
-``--workers 2`` runs the same with two front-end processes (``server.workers``) sharing one engine in a rank worker
-(``worker_processes``), each with ``max_in_flight`` 2: each process keeps its own queues, so ordering and fairness
-hold within a process, across the requests the kernel spread to it.
+``--workers 2`` runs the same with two front-end processes (``server.runtime.workers``) sharing one engine in a rank
+worker (``worker_processes``), each with ``max_in_flight`` 2: each process keeps its own queues, so ordering and
+fairness hold within a process, across the requests the kernel spread to it.
 
 Usage: ``python bench/flow_control.py`` (the table in README, Flow control), ``--workers 2``.
 """
@@ -52,13 +52,14 @@ def config(mode: str, workers: int, step: float) -> dict[str, Any]:
         backend["worker_processes"] = True
     return {
         "server": {
-            "workers": workers,
-            "access_log": False,
-            "api_keys": [
-                {"key": KEYS["flood"], "name": "flood"},
-                {"key": KEYS["light"], "name": "light"},
-                {"key": KEYS["premium"], "name": "premium"},
-            ],
+            "auth": {
+                "api_keys": [
+                    {"key": KEYS["flood"], "name": "flood"},
+                    {"key": KEYS["light"], "name": "light"},
+                    {"key": KEYS["premium"], "name": "premium"},
+                ]
+            },
+            "runtime": {"workers": workers, "access_log": False},
         },
         "backends": [backend],
         "models": [{"name": MODEL, "backends": ["reference"]}],

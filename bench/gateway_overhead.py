@@ -9,7 +9,7 @@ Four ways to reach the same OpenAI-compatible upstream:
   from the LMDeploy virtualenv the test harness builds once per machine (``tests/backends/lmdeploy/harness``);
 - ``gateway-VARIANT`` (``--stream-variants``): this gateway again, streaming through another primitive in place of
   ``gateway/sse.py`` + ``gateway/bursts.py`` (``bench/stream_primitives.py``: Starlette's ``StreamingResponse`` plus
-  a ping timer, or sse-starlette's ``EventSourceResponse``), the question of issue 25;
+  a ping timer, or sse-starlette's ``EventSourceResponse``): is our own primitive worth its code?
 - ``litellm``: LiteLLM's proxy (``litellm --config``, one worker) with the upstream as an ``openai/`` model,
   installed in its own virtualenv under ``$DEEPINFER_GATEWAY_CACHE/litellm-venv`` (default
   ``~/.cache/deepinfer-gateway``) so its dependencies never touch this project's.
@@ -138,7 +138,7 @@ def serve_gateway(
 def start_upstream(kind: str, model: str | None, workdir: Path, pace_ms: float) -> Target:
     if kind == "reference":
         config = {
-            "server": {"access_log": False, "log_level": "warning"},
+            "server": {"runtime": {"access_log": False, "log_level": "warning"}},
             "backends": [{"name": "reference", "kind": "reference", "max_num_seqs": 256}],
             "models": [{"name": "deepinfer-reference", "backends": ["reference"]}],
         }
@@ -174,7 +174,7 @@ def start_gateway(upstream: Target, workdir: Path, connections: int, variant: st
     """This gateway with a ``kind: lmdeploy`` backend in front of the upstream; with ``variant``, streaming through
     that alternative primitive (``bench/stream_primitives.py``)."""
     config = {
-        "server": {"access_log": False, "log_level": "warning"},
+        "server": {"runtime": {"access_log": False, "log_level": "warning"}},
         "backends": [
             {
                 "name": "upstream",

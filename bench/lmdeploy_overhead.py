@@ -47,7 +47,7 @@ CONTENT = "one two three four five six seven eight nine ten " * 3 + "[[stub dela
 def start_gateway(node_url: str) -> tuple[subprocess.Popen[bytes], str]:
     process, base_url, _ = serve_gateway(
         {
-            "server": {"access_log": False, "log_level": "warning"},
+            "server": {"runtime": {"access_log": False, "log_level": "warning"}},
             "backends": [
                 {
                     "name": "lm",

@@ -196,7 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     process, base_url, path = serve_gateway(
         {
-            "server": {"access_log": False, "keep_alive_timeout": 60},
+            "server": {"http": {"keep_alive_timeout": 60}, "runtime": {"access_log": False}},
             "backends": [{"name": "reference", "kind": "reference", "max_model_len": 32768}],
             "models": [{"name": MODEL, "backends": ["reference"]}],
         }

@@ -1,6 +1,6 @@
 """What the front end's Python costs per stream per engine step on the rank path, warm and after an idle gap.
 
-On the probe of issue 23 (64 streams x 256 tokens over two ranks) the gateway process is idle about four fifths of
+On the front-end CPU probe (64 streams x 256 tokens over two ranks) the gateway process is idle about four fifths of
 the time: every rank step wakes it for a millisecond or so, it turns the step's outputs into one frame per stream,
 and it sleeps again. This script runs that work alone, in process, with nothing else to disturb it: a reference
 backend's streams whose outputs are replayed (the engine's steps are fed to the requests' sinks, as the

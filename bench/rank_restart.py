@@ -19,7 +19,8 @@ import statistics
 
 from backends.config import ReferenceBackendConfig
 from backends.reference.backend import load_tokenizer
-from backends.workers.driver import DataParallelDriver, WorkerPlan
+from backends.workers.driver import DataParallelDriver
+from backends.workers.launch import WorkerPlan
 
 FACTORY = "backends.reference.backend:build_rank_engine"
 

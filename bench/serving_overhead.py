@@ -49,7 +49,7 @@ def start_gateway(max_num_seqs: int, worker_processes: bool) -> tuple[subprocess
         {
             # Idle keep-alive connections live longer than a loaded client's gap between two requests (at the
             # default 5 s a busy load generator reuses a connection the server is just closing: ReadError).
-            "server": {"access_log": True, "keep_alive_timeout": 60},
+            "server": {"http": {"keep_alive_timeout": 60}, "runtime": {"access_log": True}},
             "backends": [backend],
             "models": [{"name": MODEL, "backends": ["reference"]}],
         }

@@ -160,7 +160,7 @@ def main() -> None:
 
     process, base_url, config = serve_gateway(
         {
-            "server": {"access_log": False},
+            "server": {"runtime": {"access_log": False}},
             "backends": [
                 {
                     "name": "reference",

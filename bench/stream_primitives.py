@@ -1,5 +1,5 @@
 """The gateway served with another streaming primitive in place of ``gateway/sse.py`` + ``gateway/bursts.py``, so
-``bench/gateway_overhead.py --stream-variants`` can measure them interleaved with ours in one run (issue 25).
+``bench/gateway_overhead.py --stream-variants`` can measure them interleaved with ours in one run.
 
 ``python bench/stream_primitives.py VARIANT serve --config FILE --port N`` swaps, in this process only, the
 response class and the event reader that ``gateway.streaming`` streams with, then runs the gateway's CLI. Nothing in

@@ -33,6 +33,7 @@ from gateway.server import gateway_server
 from gateway.state import GatewayState
 
 from .conformance import OpenAISchemas
+from .waiting import wait_ready, wait_until
 
 # The property and fuzz tests draw the same examples on every run (derandomized, no example database), so
 # `make test` gives the same verdict every time, in any clone: a red run is a reproducible failure, never a
@@ -85,7 +86,7 @@ class RunningGateway:
     def metric(self, sample: str, **labels: str) -> float:
         """The sum of ``/metrics`` samples named ``sample`` whose labels include ``labels`` (scraped with the admin
         key, when the gateway has one)."""
-        admin = self.state.config.server.admin_api_key
+        admin = self.state.config.server.auth.admin_api_key
         headers = {"Authorization": f"Bearer {admin}"} if admin else {}
         return sum(
             found.value
@@ -120,14 +121,8 @@ def start_gateway(
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}{wait_for}", timeout=2).status_code == 200:
-                return RunningGateway(base_url, app, server, thread)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    if wait_ready(f"{base_url}{wait_for}", timeout=ready_timeout):
+        return RunningGateway(base_url, app, server, thread)
     server.should_exit = True
     raise RuntimeError(f"gateway at {base_url} did not become ready in {ready_timeout} s")
 
@@ -161,15 +156,6 @@ def logged_error_detail(logs: list[dict[str, object]]) -> str:
         str(line["error_detail"]) for line in logs if line.get("event") == "request" and "error_detail" in line
     ]
     return detail
-
-
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 @pytest.fixture(scope="session")

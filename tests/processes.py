@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-import httpx
+from .waiting import answers
 
 RANK_WORKER = b"backends.workers.worker"
 """In the command line of a rank worker process."""
@@ -53,8 +53,5 @@ def descendants(pid: int) -> set[int]:
 
 
 def is_ready(base: str) -> bool:
-    """Whether the gateway at ``base`` answers ``/ready`` with 200."""
-    try:
-        return httpx.get(f"{base}/ready", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
+    """Whether the gateway at ``base`` answers ``/ready`` with 200 now."""
+    return answers(f"{base}/ready")

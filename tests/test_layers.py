@@ -11,7 +11,7 @@ from typing import NamedTuple
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 BACKENDS_SURFACE = frozenset({"backends.interface", "backends.errors", "backends.config", "backends.registry"})
-"""The only modules of ``backends`` the gateway may import (design.md: the interface and the registry)."""
+"""The only modules of ``backends`` the gateway may import: the interface, its errors and config, and the registry."""
 
 LOAD_GENERATOR = "loadgen"
 """The benchmark's package (``src/loadgen``): never part of the server; only the CLI's ``bench`` command loads it,

@@ -131,7 +131,6 @@ class GenerateRequest:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     n: int = 1
     echo: bool = False
-    deadline: float | None = None  # time.monotonic() value after which the work is abandoned
     max_buffered_tokens: int | None = None  # most output a backend holds for a client that does not read; None: no cap
     user: str | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI tools list
@@ -344,6 +343,15 @@ class TokenizingBackend(Protocol):
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Each id's vocabulary entry, as the tokenizer spells it (byte-level characters for DeepSeek's)."""
         ...
+
+
+@runtime_checkable
+class PromptCountingBackend(Protocol):
+    """Optional capability of a backend that does not expose its tokenizer but can count a prompt without generating
+    (an upstream's own count): the prompt tokens ``generate`` would report, or None where its count would not be
+    exact for this request."""
+
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int | None: ...
 
 
 @runtime_checkable

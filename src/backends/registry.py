@@ -11,7 +11,7 @@ from backends.config import BackendConfig, DeepInferBackendConfig, LMDeployBacke
 from backends.interface import Backend, RankHosting, RankNodeRun
 
 if TYPE_CHECKING:
-    from backends.workers.driver import WorkerPlan
+    from backends.workers.launch import WorkerPlan
 
 
 class BackendKindUnavailableError(RuntimeError):

@@ -75,15 +75,17 @@ def create_app(
     start_errors: dict[str, str] = {}
     metrics = GatewayMetrics()
     server = config.server
-    key_tiers = KeyTiers([(key_label(key, i), key) for i, key in enumerate(server.client_keys())])
+    key_tiers = KeyTiers([(key_label(key, i), key) for i, key in enumerate(server.auth.client_keys())])
     if backends is None:
         backends = _built_backends(config, key_tiers, metrics, start_errors)
     metrics.watch_backends(backends.values())
-    store = SharedStateStore(server.state_store, clock=time.monotonic) if server.state_store else None
+    store = SharedStateStore(server.stores.state_store, clock=time.monotonic) if server.stores.state_store else None
     if store is not None:
         metrics.watch_state_store(store)
     tracing = start_tracing(server.tracing)
-    key_limits = KeyLimits(server, store=store, processes=server.workers, registry=metrics.registry, clock=budget_clock)
+    key_limits = KeyLimits(
+        server, store=store, processes=server.runtime.workers, registry=metrics.registry, clock=budget_clock
+    )
     stored_responses = _stored_responses(config, store, metrics)
     batch_runner = _batch_runner(config, store, metrics, batch_clock)
     state = GatewayState(
@@ -96,11 +98,11 @@ def create_app(
         key_tiers=key_tiers,
         store=store,
         responses=stored_responses,
-        thinking_signer=signer_for(server.thinking_signature_key),
+        thinking_signer=signer_for(server.auth.thinking_signature_key),
         tracing=tracing,
         batches=batch_runner,
     )
-    json_parser = JSONBodyParser(config.server.json_parse_processes)
+    json_parser = JSONBodyParser(config.server.http.json_parse_processes)
     lifespan = _lifespan(state, key_limits, stored_responses, json_parser, serve_once_started=serve_once_started)
 
     # No redirects for a trailing slash: Starlette's would build its Location from the client's Host header, and
@@ -145,9 +147,9 @@ def _stored_responses(
     server = config.server
     return StoredResponses(
         open_response_store(
-            server.responses_store,
-            max_age=server.responses_max_age,
-            max_bytes=server.responses_max_bytes,
+            server.stores.responses_store,
+            max_age=server.stores.responses_max_age,
+            max_bytes=server.stores.responses_max_bytes,
             shared=store.client if store is not None else None,
         ),
         metrics.registry,
@@ -186,7 +188,7 @@ def _lifespan(
         starting = asyncio.create_task(_start_backends(state))
         if serve_once_started:
             await asyncio.shield(starting)
-        if state.config.server.gc_tuning:
+        if state.config.server.runtime.gc_tuning:
             starting.add_done_callback(_freeze_gc)
         store, batch_runner = state.store, state.batches
         watching = asyncio.create_task(store.watch()) if store is not None else None
@@ -220,7 +222,7 @@ def gateway_middleware(config: GatewayConfig, state: GatewayState) -> list[Middl
     """The gateway's ASGI middleware, outermost first (``gateway.middleware`` says what each one does and why)."""
     server = config.server
     stack = [Middleware(RequestIdMiddleware)]
-    if server.access_log:
+    if server.runtime.access_log:
         stack.append(Middleware(AccessLogMiddleware))
     if state.tracing is not None:
         stack.append(Middleware(TracingMiddleware, tracing=state.tracing))
@@ -230,13 +232,13 @@ def gateway_middleware(config: GatewayConfig, state: GatewayState) -> list[Middl
         Middleware(RequestMetricsMiddleware, metrics=state.metrics),
         Middleware(IncompleteBodyMiddleware),
         Middleware(DrainMiddleware, draining=lambda: state.draining),
-        Middleware(BodyLimitMiddleware, max_body_bytes=server.max_body_bytes, larger_bodies=larger_bodies),
+        Middleware(BodyLimitMiddleware, max_body_bytes=server.http.max_body_bytes, larger_bodies=larger_bodies),
         Middleware(InternalErrorMiddleware),
         Middleware(
             ApiKeyMiddleware,
-            client_keys=server.client_keys(),
-            admin_key=server.admin_api_key,
-            public_metrics=server.public_metrics,
+            client_keys=server.auth.client_keys(),
+            admin_key=server.auth.admin_api_key,
+            public_metrics=server.auth.public_metrics,
         ),
     ]
 

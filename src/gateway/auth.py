@@ -1,9 +1,9 @@
 """API-key authentication as pure ASGI middleware, and who a request acts for.
 
-``/v1`` (and every other path not listed below) needs a client key once ``server.api_keys`` is set. The operator's
-endpoints, ``/admin`` and everything under ``/admin/``, need ``server.admin_api_key``; with client keys set and no
+``/v1`` (and every other path not listed below) needs a client key once ``server.auth.api_keys`` is set. The operator's
+endpoints, ``/admin`` and everything under ``/admin/``, need ``server.auth.admin_api_key``; with client keys set and no
 admin key they are refused (fail closed), never open to anyone. ``/metrics`` is an operator endpoint too (its labels
-name models, backends and API keys), unless ``server.public_metrics`` opens it for a Prometheus that scrapes
+name models, backends and API keys), unless ``server.auth.public_metrics`` opens it for a Prometheus that scrapes
 without credentials. Only ``/health`` and ``/ready`` are always open, matched exactly.
 
 Keys are compared in constant time, never logged or echoed; the request's state carries only the key's label (for
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.config import ApiKeyConfig
 from gateway.errors import APIError, error_body
+from gateway.server_config import ApiKeyConfig
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
 METRICS_PATH = "/metrics"
@@ -136,8 +136,8 @@ class ApiKeyMiddleware:
                     return
             elif self._clients:
                 message = (
-                    "This endpoint needs the admin API key, and server.admin_api_key is not set: operator "
-                    "endpoints stay closed while client keys (server.api_keys) are configured."
+                    "This endpoint needs the admin API key, and server.auth.admin_api_key is not set: operator "
+                    "endpoints stay closed while client keys (server.auth.api_keys) are configured."
                 )
                 await _refuse(scope, send, 403, message, "admin_key_not_configured")
                 return

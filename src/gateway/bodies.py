@@ -3,7 +3,7 @@
 Parsing JSON holds the GIL from start to end, whatever thread does it: a 7 MiB chat body takes 25-100 ms of
 ``json.loads``, during which ``/health`` and every stream wait. In a child process the parse costs the loop only
 the copy back (unpickling the result: a few milliseconds). Bodies of at least ``OFFLOAD_BYTES`` go there when
-``server.json_parse_processes`` is above 0; smaller ones are parsed in place, where a process hop would cost more
+``server.http.json_parse_processes`` is above 0; smaller ones are parsed in place, where a process hop would cost more
 than the parse. The generation routes use ``OffloadedJSONRoute``; FastAPI reads their body through
 ``Request.json()``, so errors (``json_invalid`` 400s) are exactly those of an in-place parse.
 """

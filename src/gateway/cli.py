@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,8 +26,8 @@ ConfigOption = Annotated[
 @app.command()
 def serve(
     config: ConfigOption = None,
-    host: Annotated[str | None, typer.Option(help="Bind address (overrides server.host).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (overrides server.port).")] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (overrides server.http.host).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (overrides server.http.port).")] = None,
     log_level: Annotated[str | None, typer.Option(help="critical, error, warning, info or debug.")] = None,
 ) -> None:
     """Serve the OpenAI API. With no configuration, serves the CPU reference engine on 127.0.0.1:8000."""
@@ -165,6 +167,48 @@ def _positive_int(text: str, option: str) -> int:
     return int(text)
 
 
+def _require_loadgen() -> None:
+    """Exits with a clear message where the load generator (a package of its own) is not installed, as in the
+    server image."""
+    try:
+        import loadgen.runner  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "loadgen":
+            raise
+        typer.echo("bench needs the loadgen package, which this installation (the server image) leaves out", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _checked_bench_options(
+    extra_body: str | None, concurrency: str | None, request_rate: str | None, endpoint: str
+) -> dict[str, Any]:
+    """The options ``BenchConfig`` cannot check alone; the parsed ``--extra-body``."""
+    import json
+
+    from loadgen.config import BenchConfigError
+
+    extra = json.loads(extra_body) if extra_body else {}
+    if not isinstance(extra, dict):
+        raise BenchConfigError("--extra-body must be a JSON object")
+    if concurrency and request_rate:
+        raise BenchConfigError("give --concurrency or --request-rate, not both")
+    if endpoint not in ("chat", "completions"):
+        raise BenchConfigError("--endpoint must be chat or completions")
+    return extra
+
+
+@contextlib.contextmanager
+def _bench_errors() -> Iterator[None]:
+    """A configuration the load generator refuses exits with status 2 and its reason."""
+    from loadgen.config import BenchConfigError
+
+    try:
+        yield
+    except (BenchConfigError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
 @app.command()
 def bench(
     url: Annotated[str, typer.Option(help="Server root or its /v1 URL (this gateway or any OpenAI-compatible one).")],
@@ -210,25 +254,12 @@ def bench(
     extra_body: Annotated[str | None, typer.Option(help="JSON object merged into every request body.")] = None,
 ) -> None:
     """Benchmark OpenAI-compatible servers: TTFT, TPOT, ITL, E2E percentiles, throughput, goodput and cost."""
-    import json
+    _require_loadgen()
+    from loadgen.config import BenchConfig, LengthSpec, parse_levels, parse_slo
+    from loadgen.runner import BenchRun
 
-    try:  # the load generator is a package of its own, which the server image leaves out
-        from loadgen.config import BenchConfig, BenchConfigError, LengthSpec, parse_levels, parse_slo
-        from loadgen.runner import BenchRun
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").partition(".")[0] != "loadgen":
-            raise
-        typer.echo("bench needs the loadgen package, which this installation (the server image) leaves out", err=True)
-        raise typer.Exit(2) from exc
-
-    try:
-        extra = json.loads(extra_body) if extra_body else {}
-        if not isinstance(extra, dict):
-            raise BenchConfigError("--extra-body must be a JSON object")
-        if concurrency and request_rate:
-            raise BenchConfigError("give --concurrency or --request-rate, not both")
-        if endpoint not in ("chat", "completions"):
-            raise BenchConfigError("--endpoint must be chat or completions")
+    with _bench_errors():
+        extra = _checked_bench_options(extra_body, concurrency, request_rate, endpoint)
         config = BenchConfig(
             url=url,
             models=tuple(model),
@@ -256,9 +287,6 @@ def bench(
             extra_body=extra,
         )
         results = BenchRun(config).run()
-    except (BenchConfigError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
     if not any(run["metrics"]["requests"]["completed"] for run in results["runs"]):
         typer.echo("error: no request completed", err=True)
         raise typer.Exit(1)

@@ -1,7 +1,7 @@
 """Gateway configuration: one YAML file, overridable by ``GATEWAY_*`` environment variables.
 
-Environment variables win over the file: ``GATEWAY_SERVER__PORT=9000`` sets ``server.port``, and a list such as
-``GATEWAY_MODELS='[{"name": "m", "backends": ["b"]}]'`` replaces the whole list.
+Environment variables win over the file: ``GATEWAY_SERVER__HTTP__PORT=9000`` sets ``server.http.port``, and a list such
+as ``GATEWAY_MODELS='[{"name": "m", "backends": ["b"]}]'`` replaces the whole list.
 """
 
 from __future__ import annotations
@@ -23,205 +23,10 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from backends.config import BackendConfig, ReferenceBackendConfig
-from gateway.batches.config import BatchesConfig
-from gateway.tracing_config import TracingConfig
+from gateway.server_config import FLAT_KEYS, ServerConfig
 
 DEFAULT_MODEL_NAME = "deepinfer-reference"
 DEFAULT_BACKEND_NAME = "reference"
-
-
-ServiceTierName = Literal["priority", "default", "flex", "batch"]
-
-
-def _online_tiers() -> list[ServiceTierName]:
-    return ["priority", "default", "flex"]
-
-
-class ApiKeyConfig(BaseModel):
-    """A client key with its own limits; a plain string in ``server.api_keys`` means default limits."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    key: str = Field(min_length=8, repr=False)
-    name: str | None = Field(None, description="label for logs and metrics (the key itself is never logged)")
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    service_tiers: list[ServiceTierName] = Field(
-        default_factory=_online_tiers,
-        min_length=1,
-        description="service tiers the key may use; a request for another gets the key's default_service_tier",
-    )
-    default_service_tier: ServiceTierName | None = Field(
-        None,
-        description="the tier of requests that name none (or auto); unset: default if the key may use it, else "
-        "its best allowed tier",
-    )
-    weight: float = Field(1.0, gt=0, description="the key's share of a backend against other keys in one tier")
-
-    @model_validator(mode="after")
-    def _default_tier_is_allowed(self) -> ApiKeyConfig:
-        if self.default_service_tier is not None and self.default_service_tier not in self.service_tiers:
-            raise ValueError(
-                f"default_service_tier: {self.default_service_tier!r} is not among service_tiers {self.service_tiers}"
-            )
-        return self
-
-
-class ServerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
-    access_log: bool = Field(True, description="one structured log line per request")
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
-    max_n: int = Field(16, ge=1, description="upper bound for the n parameter")
-    gil_switch_interval: float = Field(
-        0.0005, gt=0, le=0.1, description="seconds; short so the engine thread gets the GIL back quickly"
-    )
-    api_keys: list[str | ApiKeyConfig] = Field(
-        default_factory=list, description="client keys for /v1 (Bearer or x-api-key); empty: no auth", repr=False
-    )
-    admin_api_key: str | None = Field(
-        None,
-        min_length=8,
-        description="protects /metrics and /admin; with api_keys set and no admin key, both are refused (403)",
-        repr=False,
-    )
-    public_metrics: bool = Field(
-        False, description="serve /metrics without a key (its labels name models, backends and API keys)"
-    )
-    thinking_signature_key: str | None = Field(
-        None,
-        min_length=16,
-        description="secret that signs /v1/messages thinking blocks (replicas on several hosts need the same); "
-        "unset: a random key kept in $DEEPINFER_GATEWAY_CACHE, shared by the processes of one host",
-        repr=False,
-    )
-    requests_per_minute: int | None = Field(None, ge=1, description="default per-key request limit")
-    tokens_per_minute: int | None = Field(None, ge=1, description="default per-key token limit")
-    drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
-    request_timeout: float | None = Field(600.0, gt=0, description="total deadline of one request, seconds")
-    idle_timeout: float | None = Field(120.0, gt=0, description="longest wait for the next token, seconds")
-    stream_buffer_tokens: int | None = Field(
-        2048,
-        ge=16,
-        description="most output tokens held for one request whose client has not taken them; beyond: the "
-        "request is stopped (slow_client); null: no bound",
-    )
-    stall_timeout: float | None = Field(
-        30.0, gt=0, description="seconds a stream may wait for its client to accept data before it is stopped"
-    )
-    ping_seconds: float | None = Field(
-        15.0,
-        gt=0,
-        description="seconds of silence after which a stream gets a `: ping` comment, so proxies keep it open; "
-        "null: never",
-    )
-    gc_tuning: bool = Field(True, description="gc.freeze() after start-up and a larger young-generation threshold")
-    header_timeout: float | None = Field(
-        10.0,
-        gt=0,
-        description="seconds a client has to send a request's headers, from connecting or from the first byte of "
-        "the next request on a keep-alive connection; slower ones get 408 and are closed (slowloris); null: none",
-    )
-    body_timeout: float | None = Field(
-        30.0,
-        gt=0,
-        description="seconds a client has to send a request's whole body once its headers are in; slower ones get "
-        "408 and are closed (slow bodies); null: none",
-    )
-    max_header_bytes: int = Field(64 * 1024, ge=1024, description="larger request line + headers get 431")
-    max_connections: int | None = Field(
-        2048, ge=1, description="open HTTP connections; past it a new connection gets 503 and is closed"
-    )
-    probe_port: int | None = Field(
-        None,
-        ge=0,
-        le=65535,
-        description="a second listener (on server.host) that serves only /health, /ready and /metrics, with a cap "
-        "of its own, so clients filling max_connections never starve probes; null: probes share the API port",
-    )
-    keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection is kept")
-    json_parse_processes: int = Field(
-        1, ge=0, le=32, description="child processes that parse request bodies of 512 KiB or more; 0: the event loop"
-    )
-    max_messages: int = Field(2048, ge=1, description="upper bound for messages in a chat request")
-    max_tools: int = Field(128, ge=0, description="upper bound for tools in a chat request")
-    responses_store: str = Field(
-        "sqlite",
-        pattern=r"^(memory|sqlite|sqlite://.+|state_store|(redis|rediss|unix)://.+)$",
-        description="where /v1/responses keeps stored responses: sqlite (responses.sqlite3 in "
-        "$DEEPINFER_GATEWAY_CACHE or ~/.cache/deepinfer-gateway), sqlite://PATH, memory (one process), "
-        "redis://host:port/db (a Redis or Valkey of their own, shared by every replica), or state_store (the "
-        "Redis of server.state_store, shared with the budgets)",
-        repr=False,
-    )
-    responses_max_age: float | None = Field(
-        30 * 24 * 3600.0, gt=0, description="seconds a stored response is kept; null: forever"
-    )
-    responses_max_bytes: int = Field(
-        256 * 1024 * 1024,
-        ge=1024,
-        description="bytes of stored responses (response plus input items, serialized) a store keeps at most; "
-        "past it the oldest are dropped",
-    )
-    token_reservation: int = Field(
-        512,
-        ge=0,
-        description="output tokens a request reserves from its key's tokens_per_minute when it names no "
-        "max_tokens (its prompt estimate comes on top); settled with what it used when it ends",
-    )
-    state_store: str | None = Field(
-        None,
-        pattern=r"^(redis|rediss|unix)://",
-        description="redis://host:port/db: per-key budgets (and stored responses) shared by every process and "
-        "replica; unset: each process keeps its own, each with 1/workers of every budget",
-        repr=False,
-    )
-    workers: int = Field(
-        1, ge=1, le=256, description="front-end processes serving one port (uvicorn workers); see README, Scale out"
-    )
-    batches: BatchesConfig = Field(
-        default_factory=BatchesConfig,
-        description="the Batch API (/v1/files, /v1/batches): its store, limits and concurrency (README, Batch API)",
-    )
-    tracing: TracingConfig = Field(
-        default_factory=TracingConfig,
-        description="OpenTelemetry traces over OTLP/HTTP; OTEL_* environment variables override it (README, Traces)",
-    )
-
-    @model_validator(mode="after")
-    def _probe_port_is_its_own(self) -> ServerConfig:
-        if self.probe_port is not None and self.probe_port != 0 and self.probe_port == self.port:
-            raise ValueError(
-                f"probe_port: {self.probe_port} is server.port; the probe listener needs a port of its own"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _responses_store_exists(self) -> ServerConfig:
-        if self.responses_store == "state_store" and self.state_store is None:
-            raise ValueError("responses_store: state_store needs server.state_store (redis://...)")
-        if self.responses_store == "memory" and self.workers > 1:
-            raise ValueError(
-                "responses_store: memory keeps responses in one process, and with server.workers > 1 a request "
-                "that continues one (previous_response_id) may reach another process: use sqlite (shared by the "
-                "processes of a host) or redis://..."
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _batch_store_exists(self) -> ServerConfig:
-        if self.batches.store == "state_store" and (self.state_store is None or self.batches.files_dir is None):
-            raise ValueError(
-                "batches.store: state_store needs server.state_store (redis://...) and batches.files_dir (a folder "
-                "every replica mounts, for the files' contents)"
-            )
-        return self
-
-    def client_keys(self) -> list[ApiKeyConfig]:
-        return [ApiKeyConfig(key=k) if isinstance(k, str) else k for k in self.api_keys]
 
 
 class TargetConfig(BaseModel):
@@ -323,13 +128,6 @@ class ModelConfig(BaseModel):
         """``backends`` with every entry as a ``TargetConfig``."""
         return [TargetConfig(backend=b) if isinstance(b, str) else b for b in self.backends]
 
-    def backend_names(self) -> list[str]:
-        """Every backend the model refers to (targets, fallbacks, shadow), each once, in that order."""
-        names = [t.backend for t in self.targets()] + list(self.fallbacks)
-        if self.shadow is not None:
-            names.append(self.shadow.backend)
-        return list(dict.fromkeys(names))
-
     @field_validator("backends")
     @classmethod
     def _distinct_targets(cls, entries: list[str | TargetConfig]) -> list[str | TargetConfig]:
@@ -420,11 +218,18 @@ def load_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:
         config = GatewayConfig(**data)
         server_overrides = {k: v for k, v in overrides.items() if v is not None}
         if server_overrides:
-            merged = {**config.server.model_dump(), **server_overrides}
-            config.server = ServerConfig(**merged)
+            config.server = _overridden(config.server, server_overrides)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source=str(path) if path else "configuration")) from exc
     return config
+
+
+def _overridden(server: ServerConfig, overrides: dict[str, Any]) -> ServerConfig:
+    """``server`` with command-line values (``--host``, ``--port``, ``--log-level``) set in their sections."""
+    merged = server.model_dump()
+    for key, value in overrides.items():
+        merged[FLAT_KEYS[key]][key] = value
+    return ServerConfig(**merged)
 
 
 def format_validation_error(exc: ValidationError, *, source: str) -> str:

@@ -15,7 +15,7 @@ subclasses that protocol:
   gone and its log line says 408 ``body_timeout``), and the connection is closed either way (a body still
   trickling in after an early answer, a 401 say, would hold it too).
 
-A listener may serve only some paths (``paths``): the probe listener (``server.probe_port``) answers ``/health``,
+A listener may serve only some paths (``paths``): the probe listener (``server.http.probe_port``) answers ``/health``,
 ``/ready`` and ``/metrics`` with a cap of its own, so clients that fill the API listener's ``max_connections``
 never starve the kubelet's probes; any other path gets a 404 and a close.
 

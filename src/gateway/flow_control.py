@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from backends.config import AdmissionConfig
 from backends.errors import OverloadedError
 from backends.interface import CLIENT_SERVICE_TIERS, SERVICE_TIERS, GenerateRequest
-from gateway.config import ApiKeyConfig
+from gateway.server_config import ApiKeyConfig
 
 Clock = Callable[[], float]
 ShedReason = Literal["queue_full", "predicted_wait", "timeout"]
@@ -44,7 +44,7 @@ TIER_TIMEOUT_FACTORS: Mapping[str, float] = {"priority": 1 / 6, "default": 1.0, 
 ``priority`` is refused rather than queued long, ``flex`` and ``batch`` wait longest."""
 BYTES_PER_TOKEN = 4
 DEFAULT_OUTPUT_ESTIMATE = 512
-"""Output tokens a request that names no ``max_tokens`` is costed at (``server.token_reservation``'s default)."""
+"""Output tokens a request that names no ``max_tokens`` is costed at (``server.limits.token_reservation``'s default)."""
 SERVICE_SMOOTHING = 0.1
 """Weight of the newest slot-holding time in the running mean the predicted wait uses."""
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -96,7 +96,7 @@ def _content_chars(content: object) -> int:
 
 
 class KeyTiers:
-    """Which service tiers each API key may use, its default tier and its weight (``server.api_keys``).
+    """Which service tiers each API key may use, its default tier and its weight (``server.auth.api_keys``).
 
     A request that asks for a tier its key may not use gets the key's default tier, echoed in the response, not
     an error (OpenAI's behaviour). Without client keys every online tier is open and ``default`` is the default.

@@ -2,7 +2,7 @@
 
 Budgets are token buckets that refill over a minute (``gateway.budgets``). A request takes one request and
 reserves tokens when it is admitted: its prompt, estimated from the size of what the client sent
-(``estimate_prompt_tokens``), plus its ``max_tokens`` (or ``server.token_reservation`` when it names none), never
+(``estimate_prompt_tokens``), plus its ``max_tokens`` (or ``server.limits.token_reservation`` when it names none), never
 more than the whole budget; so concurrent requests cannot all pass a spent budget. When it ends, whichever way,
 the reservation is settled with what the request used (``KeyLimits.settle``): the backend's usage when it reported
 one; otherwise the output tokens the gateway forwarded plus the prompt (a client that hangs up, a deadline, a stall,
@@ -10,7 +10,7 @@ a failure mid-stream, an upstream stream cut before its usage): exact when the b
 first delta (``Delta.prompt_tokens``: the engine backends), else the estimate. A request that never reached a backend,
 or that the backend refused before producing anything, gives its whole reservation back.
 
-With ``server.state_store`` the buckets live in Redis and are exact across processes and replicas; without it, or
+With ``server.stores.state_store`` the buckets live in Redis and are exact across processes and replicas; without it, or
 while the store is down, each of a host's N front-end processes allows 1/N of every budget. Admission to a
 backend (a slot, and the order of those waiting for one) is ``gateway.flow_control``'s.
 
@@ -32,9 +32,9 @@ from starlette.requests import Request
 
 from gateway.auth import key_label, request_label
 from gateway.budgets import BudgetStore, Clock, Draw, LocalBudgets, RedisBudgets, Take, bucket_key, seconds_until
-from gateway.config import ApiKeyConfig, ServerConfig
 from gateway.errors import APIError
 from gateway.metrics import RequestCost
+from gateway.server_config import ApiKeyConfig, ServerConfig
 from gateway.state_store import SharedStateStore
 
 logger = logging.getLogger(__name__)
@@ -96,10 +96,10 @@ class KeyLimits:
         """``clock`` refills the buckets, here and in the store; None: this process's monotonic clock here and
         the store's own clock there, so that replicas agree (tests give every replica one frozen clock)."""
         self._limits: dict[str, tuple[int | None, int | None]] = {}
-        for position, key in enumerate(server.client_keys()):
+        for position, key in enumerate(server.auth.client_keys()):
             self._limits[key_label(key, position)] = _limits_of(key, server)
-        self._default = (server.requests_per_minute, server.tokens_per_minute)
-        self._reservation = server.token_reservation
+        self._default = (server.limits.requests_per_minute, server.limits.tokens_per_minute)
+        self._reservation = server.limits.token_reservation
         self._local = LocalBudgets(clock or time.monotonic, share=1.0 / processes)
         self.store = store
         self._shared: BudgetStore | None = RedisBudgets(store.client, clock=clock) if store is not None else None
@@ -249,6 +249,6 @@ async def admitted(
 
 def _limits_of(key: ApiKeyConfig, server: ServerConfig) -> tuple[int | None, int | None]:
     return (
-        key.requests_per_minute if key.requests_per_minute is not None else server.requests_per_minute,
-        key.tokens_per_minute if key.tokens_per_minute is not None else server.tokens_per_minute,
+        key.requests_per_minute if key.requests_per_minute is not None else server.limits.requests_per_minute,
+        key.tokens_per_minute if key.tokens_per_minute is not None else server.limits.tokens_per_minute,
     )

@@ -47,8 +47,8 @@ E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20
 
 
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-"""Set by the front-end supervisor (``server.workers`` > 1) before it starts the processes: prometheus-client then
-keeps counters, histograms and gauges in files there, one per process, and a scrape sums them."""
+"""Set by the front-end supervisor (``server.runtime.workers`` > 1) before it starts the processes: prometheus-client
+then keeps counters, histograms and gauges in files there, one per process, and a scrape sums them."""
 
 
 class AppRegistry(CollectorRegistry):
@@ -134,7 +134,8 @@ class GatewayMetrics:
         self.stalls = Counter(
             "gateway_stream_stalls",
             "Requests stopped because their client did not take its output (buffer_full: more than "
-            "server.stream_buffer_tokens waited; send_timeout: no data accepted for server.stall_timeout).",
+            "server.streams.stream_buffer_tokens waited; send_timeout: no data accepted for "
+            "server.streams.stall_timeout).",
             (*labels, "reason"),
             registry=r,
         )

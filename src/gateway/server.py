@@ -1,6 +1,6 @@
 """Runs the app under uvicorn with the settings and shutdown behaviour a serving gateway needs: one process,
-or ``server.workers`` front-end processes sharing one listening socket under a small supervisor, which also hosts
-the data-parallel rank workers once for all of them (``backends/workers/host.py``)."""
+or ``server.runtime.workers`` front-end processes sharing one listening socket under a small supervisor, which also
+hosts the data-parallel rank workers once for all of them (``backends/workers/host.py``)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ multiprocessing.allow_connection_pickling()  # the listening socket goes to each
 
 @dataclass(frozen=True)
 class ProbeListener:
-    """The second listening socket (``server.probe_port``) and the guard of its connections."""
+    """The second listening socket (``server.http.probe_port``) and the guard of its connections."""
 
     socket: socket.socket
     guard: ConnectionGuard
@@ -59,7 +59,7 @@ class ProbeListener:
 
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT, first marks the gateway as draining (``/ready`` 503, new requests refused), then lets
-    uvicorn stop accepting and wait for in-flight requests up to ``server.drain_seconds`` before cancelling them
+    uvicorn stop accepting and wait for in-flight requests up to ``server.runtime.drain_seconds`` before cancelling them
     (a cancelled stream aborts its engine request).
 
     With a ``probe`` listener, probes have connections of their own, which uvicorn's drain neither closes nor
@@ -122,17 +122,17 @@ def _serve(
     probe_socket: socket.socket | None = None,
     supervisor: int | None = None,
 ) -> None:
-    configure_logging(settings.server.log_level)
+    configure_logging(settings.server.runtime.log_level)
     if supervisor is not None:
         _exit_with(supervisor)
     # The engine thread and the event loop share the GIL. With the default 5 ms switch interval, every numpy or
     # C++ call that releases the GIL on the engine thread can wait up to 5 ms to get it back from a busy loop.
-    sys.setswitchinterval(settings.server.gil_switch_interval)
+    sys.setswitchinterval(settings.server.runtime.gil_switch_interval)
     prepare_serving_process()  # multi-MiB bodies and prompts go back to the OS when freed (backends/heap.py)
     server = settings.server
-    if probe_socket is None and server.probe_port is not None:
-        probe_socket = bind(server.host, server.probe_port)
-    app = create_app(settings, serve_once_started=server.workers > 1)
+    if probe_socket is None and server.http.probe_port is not None:
+        probe_socket = bind(server.http.host, server.http.probe_port)
+    app = create_app(settings, serve_once_started=server.runtime.workers > 1)
     gateway_server(settings, app, probe_socket=probe_socket).run(sockets=sockets)
 
 
@@ -170,7 +170,7 @@ def gateway_server(
     metrics. ``clock``: the connection timers' (None: the event loop)."""
     server = settings.server
     limits = ConnectionLimits(
-        server.header_timeout, server.body_timeout, server.max_header_bytes, server.max_connections
+        server.http.header_timeout, server.http.body_timeout, server.http.max_header_bytes, server.http.max_connections
     )
     metrics = ConnectionMetrics(app.state.gateway.metrics.registry)
     guard = ConnectionGuard(limits, metrics, clock=clock)
@@ -187,28 +187,28 @@ def uvicorn_config(settings: GatewayConfig, app: FastAPI, guard: ConnectionGuard
     """uvicorn as the gateway runs it: uvloop, httptools behind the connection limits of ``guard``."""
     return uvicorn.Config(
         app,
-        host=settings.server.host,
-        port=settings.server.port,
+        host=settings.server.http.host,
+        port=settings.server.http.port,
         loop="uvloop",
         http=guard.protocol(),
         log_config=None,
         access_log=False,
         # uvicorn annotates these int but uses them as seconds for call_later / wait_for, so fractions work;
         # int() would cut a configured 0.5 s to 0.
-        timeout_keep_alive=settings.server.keep_alive_timeout,  # type: ignore[arg-type]
-        timeout_graceful_shutdown=settings.server.drain_seconds,  # type: ignore[arg-type]
+        timeout_keep_alive=settings.server.http.keep_alive_timeout,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=settings.server.runtime.drain_seconds,  # type: ignore[arg-type]
     )
 
 
 def run_server(settings: GatewayConfig) -> None:
-    if settings.server.workers == 1:
+    if settings.server.runtime.workers == 1:
         _serve(settings)
     else:
         FrontEndSupervisor(settings).run()
 
 
 class FrontEndSupervisor:
-    """Binds the port once and keeps ``server.workers`` gateway processes serving it: a worker that dies is
+    """Binds the port once and keeps ``server.runtime.workers`` gateway processes serving it: a worker that dies is
     started again; SIGTERM/SIGINT is passed on to every worker, which drains as a single process would.
 
     Backends with engines in rank workers get their ranks started here, once: every front end connects to them as
@@ -248,7 +248,7 @@ class FrontEndSupervisor:
                 os.kill(worker.pid, signal.SIGTERM)
 
     def run(self) -> None:
-        configure_logging(self.settings.server.log_level)
+        configure_logging(self.settings.server.runtime.log_level)
         # Request metrics of every process go to files here, so a scrape answered by any process sums them all.
         metrics_dir = tempfile.mkdtemp(prefix="deepinfer-gateway-metrics-")
         os.environ[MULTIPROCESS_DIR_ENV] = metrics_dir
@@ -264,11 +264,11 @@ class FrontEndSupervisor:
 
     def _supervise(self) -> None:
         server = self.settings.server
-        sock = bind(server.host, server.port)
-        probe = bind(server.host, server.probe_port) if server.probe_port is not None else None
+        sock = bind(server.http.host, server.http.port)
+        probe = bind(server.http.host, server.http.probe_port) if server.http.probe_port is not None else None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
-        self.workers = [self._start(sock, probe) for _ in range(server.workers)]
+        self.workers = [self._start(sock, probe) for _ in range(server.runtime.workers)]
         logger.info("serving on %s:%s with %d front-end processes", *sock.getsockname()[:2], len(self.workers))
         while running := [w for w in self.workers if w is not None]:
             waits = [host.timeout(time.monotonic()) for host in self.hosts]

@@ -33,15 +33,15 @@ class GatewayState:
     start_errors: dict[str, str] = field(default_factory=dict)
     limits: KeyLimits | None = None
     key_tiers: KeyTiers = field(default_factory=lambda: KeyTiers([]))
-    """Each API key's service tiers, default tier and weight (``server.api_keys``)."""
+    """Each API key's service tiers, default tier and weight (``server.auth.api_keys``)."""
     responses: StoredResponses | None = None
-    """Stored Responses API responses (``server.responses_store``)."""
+    """Stored Responses API responses (``server.stores.responses_store``)."""
     store: SharedStateStore | None = None
-    """The shared state store (``server.state_store``), if one is configured."""
+    """The shared state store (``server.stores.state_store``), if one is configured."""
     started: bool = False
     """Set once every backend's start has returned or failed: until then /ready is 503 (starting)."""
     thinking_signer: ThinkingSigner | None = None
-    """Signs and checks the thinking blocks of ``/v1/messages`` (``server.thinking_signature_key``)."""
+    """Signs and checks the thinking blocks of ``/v1/messages`` (``server.auth.thinking_signature_key``)."""
     tracing: Tracing | None = None
     """OpenTelemetry traces (``server.tracing``), when they are on."""
     batches: BatchRunner | None = None

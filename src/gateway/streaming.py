@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 from starlette.requests import Request
@@ -57,6 +57,14 @@ class WireFormat(Protocol):
     def error_frame(self, error: APIError) -> bytes: ...
     def add(self, event: Delta | Finish | PromptEcho) -> None: ...
     def response(self, usage: Usage | None, want_logprobs: bool) -> dict[str, Any]: ...
+
+
+class Serving(NamedTuple):
+    """How a response presents itself: its wire format and headers, which name the backend that serves it. Built
+    once the first event is in, when no fallback can take the request over any more."""
+
+    fmt: WireFormat
+    headers: dict[str, str]
 
 
 async def _first_token_events(events: AsyncIterator[Event], deadline: Deadline | None) -> list[Event]:
@@ -100,11 +108,10 @@ def _record(observer: RequestObserver, outcome: _Outcome, stalled: bool) -> None
 async def stream_response(
     request: Request,
     events: EventStream[Event],
-    fmt: WireFormat,
+    serving: Callable[[], Serving],
     observer: RequestObserver,
     *,
     include_usage: bool,
-    headers: dict[str, str],
     timeouts: Timeouts | None = None,
     ping_seconds: float | None = 15.0,
     on_complete: Completion | None = None,
@@ -120,6 +127,7 @@ async def stream_response(
         if await _ended_early(watch, events, observer, exc):
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it: the request just ends here
         raise
+    fmt, headers = serving()
     outcome = _Outcome()
 
     async def frames() -> AsyncGenerator[bytes, None]:
@@ -237,18 +245,21 @@ async def stream_response(
 async def whole_response(
     request: Request,
     events: EventStream[Event],
-    fmt: WireFormat,
+    serving: Callable[[], Serving],
     observer: RequestObserver,
     *,
     want_logprobs: bool,
-    headers: dict[str, str],
     timeouts: Timeouts | None = None,
     on_complete: Completion | None = None,
 ) -> Response:
     deadline = Deadline(timeouts) if timeouts else None
 
+    served: Serving | None = None  # once the first event is in
+
     async def collect() -> Usage | None:
+        nonlocal served
         usage = None
+        fmt: WireFormat | None = None
         async for event in events:
             if deadline is not None:
                 deadline.last = deadline.loop.time()  # the idle part of the deadline restarts at each event
@@ -257,6 +268,9 @@ async def whole_response(
             else:
                 if isinstance(event, Delta):
                     observer.output(event.tokens, event.prompt_tokens)
+                if fmt is None:
+                    served = serving()
+                    fmt = served.fmt
                 fmt.add(event)
         return usage
 
@@ -275,11 +289,13 @@ async def whole_response(
         raise
     watch.close()
     await events.aclose()
-    body = orjson.dumps(fmt.response(usage, want_logprobs))
+    if served is None:  # no output at all
+        served = serving()
+    body = orjson.dumps(served.fmt.response(usage, want_logprobs))
     if on_complete is not None:
         await on_complete(usage)
     observer.finish(200, usage)
-    return Response(body, media_type="application/json", headers=headers)
+    return Response(body, media_type="application/json", headers=served.headers)
 
 
 async def _ended_early(

@@ -25,7 +25,7 @@ metrics, are named as vLLM names them (``gen_ai.latency.*``, seconds), so querie
 Spans go to a ``BatchSpanProcessor``: ending a span appends it to a bounded queue (a full queue drops spans, which
 the SDK logs, rather than wait); encoding and posting happen on the processor's own thread, never on the event
 loop or an engine thread. Each app has its own ``TracerProvider`` (several apps share a test process; the global
-provider is never set), and each front-end process of ``server.workers`` its own exporter, told apart by
+provider is never set), and each front-end process of ``server.runtime.workers`` its own exporter, told apart by
 ``service.instance.id``. The app's lifespan flushes and shuts the exporter down after the drain.
 
 Imported only when ``server.tracing`` is active (the ``tracing`` extra).

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-DISTRIBUTIONS = ("fixed", "uniform", "normal")
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
 STREAMS_PER_PROCESS = 256

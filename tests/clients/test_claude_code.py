@@ -16,11 +16,9 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import orjson
 import pytest
 import uvicorn
@@ -29,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 
+from ..waiting import wait_ready
 from .claude_code import OFFLINE_ENV, claude_binary
 
 pytestmark = pytest.mark.timeout(900)  # the first run on a machine installs Claude Code (npm, about 370 MB)
@@ -77,7 +76,7 @@ def streamed_text(body: bytes) -> str:
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[str, StreamRecorder]]:
     config = GatewayConfig(
-        server={"api_keys": [KEY]},
+        server={"auth": {"api_keys": [KEY]}},
         backends=[{"name": "reference", "kind": "reference", "max_model_len": CONTEXT}],
         models=[{"name": MODEL, "aliases": [MAIN, SMALL], "backends": ["reference"]}],
     )
@@ -88,14 +87,7 @@ def served() -> Iterator[tuple[str, StreamRecorder]]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    assert wait_ready(f"{base_url}/ready"), "the gateway did not become ready"
     yield base_url, recorder
     server.should_exit = True
     thread.join(timeout=30)

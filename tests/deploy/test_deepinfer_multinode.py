@@ -21,8 +21,9 @@ import zmq
 
 from backends.config import DeepInferBackendConfig
 from backends.deepinfer.ranks import node_worker_plan
-from backends.workers.driver import STOP_TIMEOUT_SECONDS, WorkerPlan
+from backends.workers.driver import STOP_TIMEOUT_SECONDS
 from backends.workers.keys import GATEWAY_KEY, PUBLIC_SUFFIX, RANK_KEY, SECRET_SUFFIX, RankKeys, create_keys, keys_for
+from backends.workers.launch import WorkerPlan
 from backends.workers.node import NodeShare, bind_address
 from gateway.cli import app
 from gateway.config import load_config
@@ -332,7 +333,7 @@ def test_only_the_gateway_reaches_the_rank_ports_and_only_the_group_the_rest() -
         (sources,) = reaching(port)
         assert all(selects(s["podSelector"], leader) or selects(s["podSelector"], worker) for s in sources)
         assert any(selects(s["podSelector"], worker) for s in sources)
-    served = load_config(CONFIG).server.port
+    served = load_config(CONFIG).server.http.port
     assert ports(container("leader", "gateway"))["http"] == served
     assert [] in reaching(served), "the API is open to every client, as the Service exposes it"
     probe_port = configured_server(container("leader", "gateway"), CONFIG).probe_port
@@ -343,7 +344,7 @@ def test_only_the_gateway_reaches_the_rank_ports_and_only_the_group_the_rest() -
 
 def test_the_gateways_probes_and_scrapes_go_to_its_probe_listener() -> None:
     lws = multinode("LeaderWorkerSet")
-    served = load_config(CONFIG).server.port
+    served = load_config(CONFIG).server.http.port
     assert_probes_use_the_probe_listener(pod_template(lws, "leader"), container("leader", "gateway"), CONFIG, served)
 
 

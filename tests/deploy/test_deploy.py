@@ -299,7 +299,7 @@ def configured_server(container: dict[str, Any], config: Path) -> ServerConfig:
 def assert_probes_use_the_probe_listener(
     pod: dict[str, Any], container: dict[str, Any], config: Path, served: int
 ) -> None:
-    """Probes and scrapes go to the probe listener (``server.probe_port``), never starved by the API's cap."""
+    """Probes and scrapes go to the probe listener (``server.http.probe_port``), never starved by the API's cap."""
     probe_port = configured_server(container, config).probe_port
     assert probe_port is not None and probe_port != served, "the container runs no probe listener of its own"
     assert {p["containerPort"] for p in container["ports"]} == {served, probe_port}
@@ -353,7 +353,7 @@ def test_deployment_is_hardened_and_bounded() -> None:
 
 def test_termination_grace_period_outlasts_the_gateway_drain() -> None:
     configmap = yaml.safe_load(resource("ConfigMap")["data"]["config.yaml"]) or {}
-    drain = ServerConfig(**configmap.get("server", {})).drain_seconds
+    drain = ServerConfig(**configmap.get("server", {})).runtime.drain_seconds
     pod = resource("Deployment")["spec"]["template"]["spec"]
     pre_stop = gateway_container().get("lifecycle", {}).get("preStop", {})
     command = pre_stop.get("exec", {}).get("command", [])
@@ -408,7 +408,7 @@ def test_deepinfer_node_pod_owns_every_gpu_its_engine_uses_with_shared_memory_an
     models = next(m for m in container["volumeMounts"] if backend.model.startswith(m["mountPath"] + "/"))
     assert models["readOnly"] is True
     env = {e["name"]: e["value"] for e in container["env"]}
-    drain = float(env["GATEWAY_SERVER__DRAIN_SECONDS"])
+    drain = float(env["GATEWAY_SERVER__RUNTIME__DRAIN_SECONDS"])
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
     assert pod["terminationGracePeriodSeconds"] > drain + pre_stop
     config = tmp_path / "config.yaml"

@@ -77,11 +77,13 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
     node.start()
     config = GatewayConfig(
         server={
-            "api_keys": [
-                {"key": OPEN_KEY, "name": "open"},
-                {"key": LIMITED_KEY, "name": "limited", "requests_per_minute": 1},
-            ],
-            "admin_api_key": ADMIN_KEY,  # /metrics is the operator's once client keys are set
+            "auth": {
+                "api_keys": [
+                    {"key": OPEN_KEY, "name": "open"},
+                    {"key": LIMITED_KEY, "name": "limited", "requests_per_minute": 1},
+                ],
+                "admin_api_key": ADMIN_KEY,
+            }
         },
         backends=[
             {"name": "reference", "kind": "reference", "max_in_flight": 4},

@@ -106,7 +106,7 @@ def test_the_scale_out_overlay_renders_the_base_with_its_patch_applied() -> None
     assert base <= {(o["kind"], o["metadata"]["name"]) for o in scale_out}
     (deployment,) = [o for o in scale_out if o["kind"] == "Deployment" and o["metadata"]["name"] == "deepinfer-gateway"]
     env = {e["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])}
-    assert "GATEWAY_SERVER__STATE_STORE" in env
+    assert "GATEWAY_SERVER__STORES__STATE_STORE" in env
 
 
 @pytest.mark.parametrize("document", DOCUMENTED_IN, ids=_name)

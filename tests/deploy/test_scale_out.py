@@ -168,17 +168,19 @@ def test_every_replica_reaches_its_two_valkeys_through_real_config_keys_with_the
     assert container["name"] == gateway_container()["name"], "a strategic merge patch matches containers by name"
     env, config = _gateway_settings(password="0123abcd")
     server = config.server
-    assert server.workers == 2
+    assert server.runtime.workers == 2
     for url, service_name in (
-        (server.state_store, "deepinfer-gateway-budgets"),
-        (server.responses_store, "deepinfer-gateway-responses"),
+        (server.stores.state_store, "deepinfer-gateway-budgets"),
+        (server.stores.responses_store, "deepinfer-gateway-responses"),
     ):
         assert url is not None
         parts = urlsplit(url)
         (port,) = _shipped("Service", service_name)["spec"]["ports"]
         assert parts.scheme == "redis" and (parts.hostname, parts.port) == (service_name, port["port"]), url
         assert (parts.username, parts.password) == ("gateway", "0123abcd"), "the Secret's password, expanded"
-    assert server.state_store != server.responses_store, "budgets and stored responses never share an instance"
+    assert server.stores.state_store != server.stores.responses_store, (
+        "budgets and stored responses never share an instance"
+    )
     assert "$(" not in " ".join(env.values()), "every $(VAR) is defined before it is used"
 
 
@@ -194,7 +196,7 @@ def test_budgets_and_responses_live_in_separate_valkeys_that_never_evict() -> No
     assert responses_workload["kind"] == "StatefulSet" and responses_workload["spec"]["volumeClaimTemplates"]
     maxmemory = _bytes(_flag(responses, "--maxmemory"))
     # every stored response also costs a key, an age-index entry and a size entry: room for that above the bound
-    assert config.server.responses_max_bytes * 1.25 <= maxmemory, "the gateway's bound keeps Valkey from filling"
+    assert config.server.stores.responses_max_bytes * 1.25 <= maxmemory, "the gateway's bound keeps Valkey from filling"
     limit = _bytes(_valkey(responses_workload)["resources"]["limits"]["memory"])
     assert limit >= 2 * maxmemory, "rewriting the append-only file forks: room for the copy"
 
@@ -267,7 +269,11 @@ def manifest_valkey(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
             server.process.stdout.read() if server.process.stdout else ""
         )
         _, config = _gateway_settings(password=password)
-        url = config.server.state_store if request.param.endswith("budgets") else config.server.responses_store
+        url = (
+            config.server.stores.state_store
+            if request.param.endswith("budgets")
+            else config.server.stores.responses_store
+        )
         yield server, url
     finally:
         server.stop()

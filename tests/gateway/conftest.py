@@ -19,7 +19,7 @@ def responses_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runn
     """The reference model, storing responses in an SQLite file of its own."""
     path = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
     config = GatewayConfig(
-        server={"responses_store": f"sqlite://{path}"},
+        server={"stores": {"responses_store": f"sqlite://{path}"}},
         backends=[{"name": "reference", "kind": "reference"}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )

@@ -77,12 +77,14 @@ def tenants(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
     with _batch_store(request.param, folder) as (state_store, batches, _):
         config = GatewayConfig(
             server={
-                "api_keys": [
-                    {"key": KEY_A, "name": "team-a", "tokens_per_minute": 1_000_000},
-                    {"key": KEY_B, "name": "team-b"},
-                ],
-                "admin_api_key": ADMIN_KEY,
-                "state_store": state_store,
+                "auth": {
+                    "api_keys": [
+                        {"key": KEY_A, "name": "team-a", "tokens_per_minute": 1_000_000},
+                        {"key": KEY_B, "name": "team-b"},
+                    ],
+                    "admin_api_key": ADMIN_KEY,
+                },
+                "stores": {"state_store": state_store},
                 "batches": {**batches, "concurrency_per_batch": 2, "poll_seconds": 0.2},
             },
             backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": STEP}}],
@@ -95,7 +97,8 @@ def tenants(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
 
 @contextlib.contextmanager
 def _batch_store(kind: str, folder: Path) -> Iterator[tuple[str | None, dict[str, Any], ValkeyServer | None]]:
-    """``server.state_store`` and ``server.batches`` for a store of that kind, and the real Valkey started for it."""
+    """``server.stores.state_store`` and ``server.batches`` for a store of that kind, and the real Valkey started for "
+    "it."""
     if kind == "sqlite":
         yield None, {"store": f"sqlite://{folder / 'batches.sqlite3'}"}, None
         return
@@ -388,7 +391,7 @@ def test_a_batch_past_its_window_expires_with_its_partial_output_and_files_go_af
 def test_a_failing_batch_store_is_a_503_to_retry_and_takes_nothing_down(tmp_path: Path) -> None:
     with _batch_store("valkey", tmp_path) as (state_store, batches, valkey):
         config = GatewayConfig(
-            server={"state_store": state_store, "batches": {**batches, "poll_seconds": 0.2}},
+            server={"stores": {"state_store": state_store}, "batches": {**batches, "poll_seconds": 0.2}},
             backends=[{"name": "reference", "kind": "reference"}],
             models=[{"name": MODEL, "backends": ["reference"]}],
         )
@@ -432,8 +435,10 @@ def test_a_spent_budget_holds_batch_requests_back_until_it_refills_and_fails_non
     per_request = prompt_estimate(lines[0]["body"]) + 8
     config = GatewayConfig(
         server={
-            "api_keys": [{"key": KEY_A, "name": "metered", "tokens_per_minute": 2 * per_request + 4}],
-            "admin_api_key": ADMIN_KEY,
+            "auth": {
+                "api_keys": [{"key": KEY_A, "name": "metered", "tokens_per_minute": 2 * per_request + 4}],
+                "admin_api_key": ADMIN_KEY,
+            },
             "batches": {
                 "store": f"sqlite://{tmp_path / 'batches.sqlite3'}",
                 "concurrency_per_batch": 1,

@@ -138,7 +138,7 @@ def test_a_key_that_streams_and_hangs_up_pays_for_what_it_read(metered: RunningG
 
 def test_a_request_that_fails_before_a_backend_takes_it_gives_its_reservation_back(metered: RunningGateway) -> None:
     before = charged(metered, LABEL)
-    for _ in range(4):  # the case: a reservation of 400 tokens each, kept for ever
+    for _ in range(4):  # a reservation of 400 tokens each, which a leak would keep for ever
         missing = post(metered.base_url, KEY, {**LONG, "model": "no-such-model", "max_tokens": 400})
         assert missing.status_code == 404
     too_long = {"model": TINY_MODEL, "messages": [{"role": "user", "content": "word " * 200}], "max_tokens": 8}

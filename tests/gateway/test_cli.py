@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 
 from ..processes import free_port
+from ..waiting import wait_ready
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 
@@ -22,13 +21,7 @@ def test_serve_with_no_config_serves_the_reference_engine_on_the_given_port(tmp_
     process = subprocess.Popen([*CLI, "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        assert wait_ready(f"{base}/ready", timeout=120), "the gateway did not become ready"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list()] == ["deepinfer-reference"]
         reply = client.chat.completions.create(
@@ -49,7 +42,7 @@ def test_config_check_prints_the_resolved_config_with_the_environment_applied(tm
         "backends:\n  - name: ref\n    kind: reference\n    max_model_len: 1024\n"
         "models:\n  - name: my-model\n    backends: [ref]\n"
     )
-    env = {**os.environ, "GATEWAY_SERVER__PORT": "9123"}
+    env = {**os.environ, "GATEWAY_SERVER__HTTP__PORT": "9123"}
     result = subprocess.run([*CLI, "config", "check", str(config)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert "port: 9123" in result.stdout
@@ -59,12 +52,12 @@ def test_config_check_prints_the_resolved_config_with_the_environment_applied(tm
 def test_config_check_names_every_bad_key(tmp_path: Path) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text(
-        "server:\n  port: seventy\nbackends:\n  - name: ref\n    kind: reference\n    max_num_seqs: 0\n"
+        "server:\n  http:\n    port: seventy\nbackends:\n  - name: ref\n    kind: reference\n    max_num_seqs: 0\n"
         "models:\n  - name: m\n    backends: [ref]\n"
     )
     result = subprocess.run([*CLI, "config", "check", str(config)], capture_output=True, text=True)
     assert result.returncode == 2
-    assert "server.port" in result.stderr
+    assert "server.http.port" in result.stderr
     assert "backends[0].max_num_seqs" in result.stderr
 
 
@@ -77,7 +70,8 @@ def test_serve_refuses_a_config_that_references_an_unknown_backend(tmp_path: Pat
 
 
 SECRET_CONFIG = (
-    "server:\n  api_keys:\n    - sk-plain-client-key-1\n    - key: sk-named-client-key-2\n      name: team-a\n"
+    "server:\n  auth:\n    api_keys:\n      - sk-plain-client-key-1\n"
+    "      - key: sk-named-client-key-2\n        name: team-a\n"
     "  tracing:\n    headers: {authorization: 'Bearer sk-otlp-token-6'}\n"
     "backends:\n  - name: ref\n    kind: reference\n"
     "  - name: lm\n    kind: lmdeploy\n    urls: ['http://user:sk-url-password-5@127.0.0.1:1']\n"
@@ -95,15 +89,15 @@ SECRETS = (
     "sk-responses-password-7",
 )
 STORE_ENV = {  # as deploy/kubernetes/scale-out gives them
-    "GATEWAY_SERVER__STATE_STORE": "redis://gateway:sk-budgets-password-6@budgets:6379/0",
-    "GATEWAY_SERVER__RESPONSES_STORE": "redis://gateway:sk-responses-password-7@responses:6379/0",
+    "GATEWAY_SERVER__STORES__STATE_STORE": "redis://gateway:sk-budgets-password-6@budgets:6379/0",
+    "GATEWAY_SERVER__STORES__RESPONSES_STORE": "redis://gateway:sk-responses-password-7@responses:6379/0",
 }
 
 
 def test_config_check_redacts_every_key_unless_asked_to_show_them(tmp_path: Path) -> None:
     config = tmp_path / "secrets.yaml"
     config.write_text(SECRET_CONFIG)
-    env = {**os.environ, "GATEWAY_SERVER__ADMIN_API_KEY": "sk-admin-from-env-4", **STORE_ENV}
+    env = {**os.environ, "GATEWAY_SERVER__AUTH__ADMIN_API_KEY": "sk-admin-from-env-4", **STORE_ENV}
     result = subprocess.run([*CLI, "config", "check", str(config)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     for secret in SECRETS:

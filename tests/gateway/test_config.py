@@ -12,7 +12,7 @@ from gateway.config import DEFAULT_MODEL_NAME, ConfigError, load_config
 
 def test_no_file_serves_the_reference_engine_on_localhost_8000() -> None:
     config = load_config()
-    assert (config.server.host, config.server.port) == ("127.0.0.1", 8000)
+    assert (config.server.http.host, config.server.http.port) == ("127.0.0.1", 8000)
     assert isinstance(config.backends[0], ReferenceBackendConfig)
     assert config.models[0].name == DEFAULT_MODEL_NAME
 
@@ -21,11 +21,11 @@ def test_environment_overrides_the_file_and_flags_override_both(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("server:\n  port: 7000\n  log_level: warning\n")
-    monkeypatch.setenv("GATEWAY_SERVER__PORT", "7100")
+    path.write_text("server:\n  http:\n    port: 7000\n  runtime:\n    log_level: warning\n")
+    monkeypatch.setenv("GATEWAY_SERVER__HTTP__PORT", "7100")
     config = load_config(path)
-    assert config.server.port == 7100 and config.server.log_level == "warning"
-    assert load_config(path, port=7200).server.port == 7200
+    assert config.server.http.port == 7100 and config.server.runtime.log_level == "warning"
+    assert load_config(path, port=7200).server.http.port == 7200
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,8 @@ def test_environment_overrides_the_file_and_flags_override_both(
             "aliases[0]",
         ),
         (
-            "server:\n  api_keys:\n    - {key: sk-0123456789, service_tiers: [flex], default_service_tier: priority}\n",
+            "server:\n  auth:\n    api_keys:\n"
+            "      - {key: sk-0123456789, service_tiers: [flex], default_service_tier: priority}\n",
             "default_service_tier: 'priority' is not among service_tiers ['flex']",
         ),
         (

@@ -23,6 +23,7 @@ from gateway.connections import Clock, ConnectionGuard
 from gateway.server import bind, gateway_server
 
 from ..conftest import MODEL, wait_until
+from ..waiting import wait_ready
 
 SAFETY_SECONDS = 20.0
 """How long a client waits for the server to act before the test fails (never reached when the limit works)."""
@@ -64,13 +65,7 @@ def serve(settings: GatewayConfig, *, probe: bool = False, clock: Clock | None =
     probe_port = probe_socket.getsockname()[1] if probe_socket is not None else None
     served = Served("127.0.0.1", port, server.guard, server, thread, probe_port)
 
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{served.probe_url if probe else served.base_url}/ready", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    assert wait_until(ready, timeout=180), "the gateway did not become ready"
+    assert wait_ready(f"{served.probe_url if probe else served.base_url}/ready"), "the gateway did not become ready"
     return served
 
 
@@ -185,7 +180,7 @@ def test_a_body_that_arrives_after_its_early_answer_is_not_mistaken_for_the_next
     """The app answers a 413 from the Content-Length before reading the body; the body the client sends after that
     answer (larger than max_header_bytes) is still that request's, and the next request on the connection is served.
     """
-    limit = strict.server.config.app.state.gateway.config.server.max_body_bytes
+    limit = strict.server.config.app.state.gateway.config.server.http.max_body_bytes
     size = limit + 1
     with strict.connect() as sock:
         reader = sock.makefile("rb")

@@ -1,4 +1,4 @@
-"""OpenAI's request contract, defect by defect (issue 12): strict types, nulls and bounds as OpenAI's schema has
+"""OpenAI's request contract, defect by defect: strict types, nulls and bounds as OpenAI's schema has
 them, full parameter paths, no 500 for a client mistake, and every request counted."""
 
 from __future__ import annotations

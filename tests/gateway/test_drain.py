@@ -1,4 +1,5 @@
-"""SIGTERM drains: streams in flight finish (up to server.drain_seconds), then the rest are cut and engines close."""
+"""SIGTERM drains: streams in flight finish (up to server.runtime.drain_seconds), then the rest are cut and engines "
+"close."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import orjson
 
 from ..conftest import MODEL, wait_until
 from ..processes import free_port
+from ..waiting import wait_ready
 
 
 def _serve(
@@ -22,7 +24,8 @@ def _serve(
     port = free_port()
     config = tmp_path / "drain.yaml"
     config.write_text(
-        f"server: {{drain_seconds: {drain_seconds}, probe_port: {'null' if probe_port is None else probe_port}}}\n"
+        f"server: {{runtime: {{drain_seconds: {drain_seconds}}}, "
+        f"http: {{probe_port: {'null' if probe_port is None else probe_port}}}}}\n"
         "backends:\n  - {name: reference, kind: reference, timing: {decode_seconds_per_step: 0.02}}\n"
         f"models:\n  - {{name: {MODEL}, backends: [reference]}}\n"
     )
@@ -33,13 +36,8 @@ def _serve(
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                return process, base, log
-        except httpx.TransportError:
-            time.sleep(0.1)
+    if wait_ready(f"{base}/ready", timeout=120):
+        return process, base, log
     process.kill()
     raise RuntimeError("gateway did not start")
 

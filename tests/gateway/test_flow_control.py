@@ -64,20 +64,22 @@ def _config(budget_tokens: int, ranks: int = 1, lmdeploy: str | None = None) -> 
         engine = {"kind": "lmdeploy", "urls": [lmdeploy], "api_key": API_KEY, "max_model_len": SESSION_LEN}
     return GatewayConfig(
         server={
-            "api_keys": [
-                {"key": KEYS["flood"], "name": "flood"},
-                {"key": KEYS["light"], "name": "light"},
-                {"key": KEYS["heavy"], "name": "heavy", "weight": 3},
-                {
-                    "key": KEYS["standard"],
-                    "name": "standard",
-                    "service_tiers": ["default", "flex"],
-                    "default_service_tier": "flex",
-                },
-                {"key": KEYS["budget"], "name": "budget", "tokens_per_minute": budget_tokens},
-                {"key": KEYS["premium"], "name": "premium", "default_service_tier": "priority"},
-            ],
-            "admin_api_key": "sk-admin-000000000",
+            "auth": {
+                "api_keys": [
+                    {"key": KEYS["flood"], "name": "flood"},
+                    {"key": KEYS["light"], "name": "light"},
+                    {"key": KEYS["heavy"], "name": "heavy", "weight": 3},
+                    {
+                        "key": KEYS["standard"],
+                        "name": "standard",
+                        "service_tiers": ["default", "flex"],
+                        "default_service_tier": "flex",
+                    },
+                    {"key": KEYS["budget"], "name": "budget", "tokens_per_minute": budget_tokens},
+                    {"key": KEYS["premium"], "name": "premium", "default_service_tier": "priority"},
+                ],
+                "admin_api_key": "sk-admin-000000000",
+            }
         },
         backends=[
             {

@@ -4,6 +4,11 @@
 subclasses uvicorn's ``HttpToolsProtocol`` and drives its parser callbacks, ``gateway/server.py`` extends uvicorn's
 ``Server``. None of these are public API, so pyproject.toml bounds the versions; when a bound is raised, this test
 says which internal moved, in which installed version, and which file depends on it, before any request fails.
+
+``PROVEN`` lists the oldest and newest versions the suite has run green on: the installed ones, and the lower
+bounds, run in a virtualenv that had only those four packages pinned down (this file, test_connections,
+test_http_edges, test_chat, test_frames, test_bodies, test_disconnect and test_slow_clients: 100 passed). The
+bounds in pyproject.toml are those: from the oldest proven to the minor after the newest.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import tomllib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import httptools
@@ -27,6 +34,38 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from uvicorn.server import ServerState
 
 from gateway.connections import DirectBody, GuardedHttpToolsProtocol
+
+PROVEN: dict[str, tuple[str, str]] = {
+    "fastapi": ("0.115.0", "0.165.0"),
+    "starlette": ("0.37.2", "1.10.0"),
+    "uvicorn": ("0.30.0", "0.54.0"),
+    "httptools": ("0.6.3", "0.9.0"),
+}
+PYPROJECT = Path(__file__).parents[2] / "pyproject.toml"
+
+
+def _minor(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+@pytest.mark.parametrize("distribution", sorted(PROVEN))
+def test_the_installed_framework_is_a_version_the_suite_has_run_on(distribution: str) -> None:
+    oldest, newest = PROVEN[distribution]
+    installed = version(distribution)
+    assert _minor(oldest) <= _minor(installed) <= _minor(newest), (
+        f"{distribution} {installed} is outside the versions this suite has run on ({oldest} to {newest}): run the "
+        "suite on it, then move PROVEN and the bound in pyproject.toml"
+    )
+
+
+@pytest.mark.parametrize("distribution", sorted(PROVEN))
+def test_the_pyproject_bounds_are_the_proven_versions(distribution: str) -> None:
+    oldest, newest = PROVEN[distribution]
+    major, minor = _minor(newest)
+    bound = f"{distribution}>={oldest},<{major}.{minor + 1}"
+    dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    assert any(d.replace("[standard]", "") == bound for d in dependencies), f"pyproject.toml should say {bound}"
 
 
 class LoneBody(BaseModel):

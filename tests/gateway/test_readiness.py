@@ -17,10 +17,10 @@ ADMIN_KEY = "admin-key-0123456789"
 CLIENT_KEY = "client-key-0123456789"
 
 
-def _config(dead_url: str, models: list[dict[str, object]], **server: object) -> GatewayConfig:
-    """The issue's deployment: a reference backend ``r1`` and an LMDeploy backend ``dead`` whose node is down."""
+def _config(dead_url: str, models: list[dict[str, object]], **auth: object) -> GatewayConfig:
+    """A reference backend ``r1`` and an LMDeploy backend ``dead`` whose node is down; ``auth``: the keys."""
     return GatewayConfig(
-        server={"access_log": False, **server},
+        server={"runtime": {"access_log": False}, "auth": auth},
         backends=[
             {"name": "r1", "kind": "reference"},
             # Probed once at start (refused: nothing listens there), then not again during the test.

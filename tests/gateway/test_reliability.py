@@ -71,7 +71,7 @@ def test_saturated_backend_answers_503_with_retry_after_and_never_queues_unbound
 @pytest.fixture(scope="module")
 def deadline_gateway() -> Iterator[RunningGateway]:
     config = _one_backend(timing={"decode_seconds_per_step": 0.01})
-    config.server.request_timeout = 0.5
+    config.server.streams.request_timeout = 0.5
     running = start_gateway(config)
     yield running
     stop_gateway(running)
@@ -98,7 +98,7 @@ def test_stream_past_its_deadline_ends_with_an_error_frame_and_done(deadline_gat
 
 def test_no_first_token_within_the_idle_timeout_gets_504() -> None:
     config = _one_backend(timing={"prefill_seconds_per_token": 0.2})
-    config.server.idle_timeout = 0.3
+    config.server.streams.idle_timeout = 0.3
     running = start_gateway(config)
     try:
         with captured_logs(running) as logs:
@@ -116,7 +116,7 @@ def test_a_whole_response_may_outlast_the_idle_timeout_while_its_tokens_keep_com
     """The idle timeout bounds the gap between two tokens, not how long a non-streamed response takes: 15 steps
     of 0.1 s make 1.5 s, past an idle timeout of 1 s, and the answer is whole."""
     config = _one_backend(timing={"decode_seconds_per_step": 0.1})
-    config.server.idle_timeout = 1.0
+    config.server.streams.idle_timeout = 1.0
     running = start_gateway(config)
     try:
         response = httpx.post(f"{running.base_url}/v1/chat/completions", json={**LONG, "max_tokens": 15}, timeout=30)
@@ -130,7 +130,7 @@ def test_a_stream_may_outlast_the_idle_timeout_while_its_tokens_keep_coming() ->
     """The same for a stream, whose frames are written as the steps come while its task waits: each frame written
     restarts the idle timeout, so 15 steps of 0.1 s past an idle timeout of 1 s end well, with no timeout frame."""
     config = _one_backend(timing={"decode_seconds_per_step": 0.1})
-    config.server.idle_timeout = 1.0
+    config.server.streams.idle_timeout = 1.0
     running = start_gateway(config)
     try:
         body = {**LONG, "max_tokens": 15, "stream": True, "stream_options": {"include_usage": True}}

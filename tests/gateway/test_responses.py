@@ -388,7 +388,7 @@ def test_requests_are_counted_by_model_and_backend(responses_client: openai.Open
 
 def test_disconnect_mid_stream_aborts_the_engine_request() -> None:
     slow = GatewayConfig(  # 30 s of decoding: the stream cannot end by itself while the test looks
-        server={"responses_store": "memory"},
+        server={"stores": {"responses_store": "memory"}},
         backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": 0.01}}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )
@@ -409,7 +409,7 @@ def test_disconnect_mid_stream_aborts_the_engine_request() -> None:
 
 def test_a_stream_past_its_deadline_ends_with_response_failed_and_is_not_stored() -> None:
     config = GatewayConfig(
-        server={"responses_store": "memory", "request_timeout": 1.0},
+        server={"streams": {"request_timeout": 1.0}, "stores": {"responses_store": "memory"}},
         backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": 0.01}}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )
@@ -502,7 +502,7 @@ class UsagelessBackend:
 def test_a_response_without_usage_still_ends_with_its_terminal_event_and_is_stored() -> None:
     inner = build_backend(ReferenceBackendConfig(name="reference"))
     config = GatewayConfig(
-        server={"responses_store": "memory"},
+        server={"stores": {"responses_store": "memory"}},
         backends=[{"name": "reference", "kind": "reference"}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )

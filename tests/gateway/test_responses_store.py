@@ -29,7 +29,7 @@ from ..valkey import ValkeyServer
 def _gateway(store: str) -> RunningGateway:
     return start_gateway(
         GatewayConfig(
-            server={"responses_store": store},
+            server={"stores": {"responses_store": store}},
             backends=[{"name": "reference", "kind": "reference"}],
             models=[{"name": MODEL, "backends": ["reference"]}],
         )
@@ -225,10 +225,15 @@ def test_store_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert isinstance(explicit, SQLiteResponseStore) and explicit.path == tmp_path / "x.db"
     assert isinstance(open_response_store("redis://localhost:6379/1", max_age=None), RedisResponseStore)
     with pytest.raises(ValidationError, match="responses_store"):
-        GatewayConfig(server={"responses_store": "mysql://localhost"})
+        GatewayConfig(server={"stores": {"responses_store": "mysql://localhost"}})
     with pytest.raises(ValidationError, match="memory keeps responses in one process"):
-        GatewayConfig(server={"responses_store": "memory", "workers": 2})
-    assert GatewayConfig(server={"responses_store": "sqlite", "workers": 2}).server.workers == 2
+        GatewayConfig(server={"stores": {"responses_store": "memory"}, "runtime": {"workers": 2}})
+    assert (
+        GatewayConfig(
+            server={"stores": {"responses_store": "sqlite"}, "runtime": {"workers": 2}}
+        ).server.runtime.workers
+        == 2
+    )
 
 
 def test_a_store_that_cannot_write_is_counted_and_answers_500s_never_crashes(tmp_path: Path) -> None:
@@ -259,7 +264,7 @@ def test_a_store_that_cannot_write_is_counted_and_answers_500s_never_crashes(tmp
 def test_replicas_sharing_a_redis_store_share_stored_responses(valkey: ValkeyServer, shared: str) -> None:
     stores = {"responses_store": valkey.url} if shared == "own instance" else {"responses_store": "state_store"}
     config = GatewayConfig(
-        server={**stores, "state_store": valkey.url},
+        server={"stores": {**stores, "state_store": valkey.url}},
         backends=[{"name": "reference", "kind": "reference"}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )
@@ -279,7 +284,7 @@ def test_replicas_sharing_a_redis_store_share_stored_responses(valkey: ValkeySer
         stop_gateway(first)
         stop_gateway(second)
     with pytest.raises(ValidationError, match="state_store"):
-        GatewayConfig(server={"responses_store": "state_store"})
+        GatewayConfig(server={"stores": {"responses_store": "state_store"}})
 
 
 KEY_A = "sk-tenant-a-0123456789"
@@ -297,9 +302,11 @@ def tenants(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     }
     config = GatewayConfig(
         server={
-            "api_keys": [{"key": KEY_A, "name": "team-a"}, {"key": KEY_B, "name": "team-b"}],
-            "admin_api_key": ADMIN,
-            "responses_store": stores[request.param],
+            "auth": {
+                "api_keys": [{"key": KEY_A, "name": "team-a"}, {"key": KEY_B, "name": "team-b"}],
+                "admin_api_key": ADMIN,
+            },
+            "stores": {"responses_store": stores[request.param]},
         },
         backends=[{"name": "reference", "kind": "reference"}],
         models=[{"name": MODEL, "backends": ["reference"]}],
@@ -377,7 +384,7 @@ def test_a_response_is_in_the_store_before_its_last_event_or_body_goes_out(tmp_p
 def test_responses_past_the_byte_bound_are_dropped_oldest_first_and_counted() -> None:
     running = start_gateway(
         GatewayConfig(
-            server={"responses_store": "memory", "responses_max_bytes": 8192},
+            server={"stores": {"responses_store": "memory", "responses_max_bytes": 8192}},
             backends=[{"name": "reference", "kind": "reference"}],
             models=[{"name": MODEL, "backends": ["reference"]}],
         )

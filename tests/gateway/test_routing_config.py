@@ -42,7 +42,7 @@ def test_every_routing_key_parses(tmp_path: Path) -> None:
         )
     ).models
     assert [t.weight for t in model.targets()] == [1.0, 0.5]
-    assert model.backend_names() == ["a", "b", "c"]
+    assert model.fallbacks == ["c", "a"]
     assert model.shadow is not None and model.shadow.max_concurrency == 2
     assert model.affinity.prefix_chars == 512 and model.circuit_breaker.cooldown_seconds == 2.5
 

@@ -55,9 +55,8 @@ def valkey(tmp_path: Path) -> Iterator[ValkeyServer]:
 def _config(store_url: str, timing: dict[str, float] | None = None, **key_limits: int) -> GatewayConfig:
     return GatewayConfig(
         server={
-            "api_keys": [{"key": KEY, "name": "team", **key_limits}],
-            "admin_api_key": ADMIN_KEY,
-            "state_store": store_url,
+            "auth": {"api_keys": [{"key": KEY, "name": "team", **key_limits}], "admin_api_key": ADMIN_KEY},
+            "stores": {"state_store": store_url},
         },
         backends=[{"name": "reference", "kind": "reference", "timing": timing or {"decode_seconds_per_step": 0.01}}],
         models=[{"name": MODEL, "backends": ["reference"]}],
@@ -142,7 +141,7 @@ def test_every_script_keeps_to_one_slot_of_a_cluster(tmp_path: Path) -> None:
     cluster = ValkeyServer(tmp_path, cluster=True)
     cluster.start()
     config = _config(cluster.url, requests_per_minute=100, tokens_per_minute=100_000)
-    config.server.responses_store = cluster.url
+    config.server.stores.responses_store = cluster.url
     running = start_gateway(config, budget_clock=FrozenClock())
     try:
         assert post(running.base_url, KEY, CHAT).status_code == 200
@@ -196,7 +195,8 @@ def _serve(tmp_path: Path, config: dict[str, Any]) -> Iterator[tuple[subprocess.
     and its base URL. Killed at the end if still up (its front ends follow it); its output goes to a log file."""
     port = free_port()
     path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump({**config, "server": {**config["server"], "port": port}}))
+    server = {**config["server"], "http": {**config["server"].get("http", {}), "port": port}}
+    path.write_text(yaml.safe_dump({**config, "server": server}))
     command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
     with (tmp_path / "supervisor.log").open("wb") as log:
         supervisor = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -213,10 +213,9 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
 ) -> None:
     config = {
         "server": {
-            "workers": 2,
-            "api_keys": [{"key": KEY, "name": "team", "requests_per_minute": 6}],
-            "admin_api_key": ADMIN_KEY,
-            "state_store": valkey.url,
+            "auth": {"api_keys": [{"key": KEY, "name": "team", "requests_per_minute": 6}], "admin_api_key": ADMIN_KEY},
+            "stores": {"state_store": valkey.url},
+            "runtime": {"workers": 2},
         },
         "backends": [{"name": "reference", "kind": "reference"}],
         "models": [{"name": MODEL, "backends": ["reference"]}],
@@ -256,7 +255,7 @@ def test_front_end_processes_share_one_port_one_budget_and_come_back_when_killed
 def test_front_end_processes_exit_when_their_supervisor_is_killed(tmp_path: Path) -> None:
     probe_port = free_port()
     config = {
-        "server": {"workers": 2, "probe_port": probe_port},
+        "server": {"http": {"probe_port": probe_port}, "runtime": {"workers": 2}},
         "backends": [{"name": "reference", "kind": "reference"}],
         "models": [{"name": MODEL, "backends": ["reference"]}],
     }
@@ -277,7 +276,7 @@ def test_front_ends_share_the_rank_workers_the_supervisor_hosts_and_one_killed_l
     tmp_path: Path,
 ) -> None:
     config = {
-        "server": {"workers": 2},
+        "server": {"runtime": {"workers": 2}},
         "backends": [
             {
                 "name": "reference",

@@ -22,12 +22,14 @@ ADMIN_KEY = "sk-admin-0123456789"
 def secured() -> Iterator[RunningGateway]:
     config = GatewayConfig(
         server={
-            "api_keys": [
-                CLIENT_KEY,
-                {"key": LIMITED_KEY, "name": "team-b", "requests_per_minute": 2},
-                {"key": TOKEN_KEY, "name": "team-t", "tokens_per_minute": 30},
-            ],
-            "admin_api_key": ADMIN_KEY,
+            "auth": {
+                "api_keys": [
+                    CLIENT_KEY,
+                    {"key": LIMITED_KEY, "name": "team-b", "requests_per_minute": 2},
+                    {"key": TOKEN_KEY, "name": "team-t", "tokens_per_minute": 30},
+                ],
+                "admin_api_key": ADMIN_KEY,
+            }
         },
         backends=[{"name": "reference", "kind": "reference"}],
         models=[{"name": MODEL, "backends": ["reference"]}],
@@ -89,7 +91,7 @@ def test_admin_endpoints_need_the_admin_key(secured: RunningGateway) -> None:
 def no_admin_key() -> Iterator[RunningGateway]:
     """Client keys and no admin key: the operator endpoints must stay closed (fail closed)."""
     config = GatewayConfig(
-        server={"api_keys": [CLIENT_KEY]},
+        server={"auth": {"api_keys": [CLIENT_KEY]}},
         backends=[{"name": "reference", "kind": "reference"}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )
@@ -107,7 +109,7 @@ def test_operator_endpoints_refuse_everyone_when_client_keys_exist_but_no_admin_
         assert refused.status_code == 403, (path, headers)
         error = refused.json()["error"]
         assert error["code"] == "admin_key_not_configured"
-        assert "server.admin_api_key" in error["message"], "the message names the setting to fix"
+        assert "server.auth.admin_api_key" in error["message"], "the message names the setting to fix"
     chat = httpx.post(
         f"{no_admin_key.base_url}/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -118,7 +120,7 @@ def test_operator_endpoints_refuse_everyone_when_client_keys_exist_but_no_admin_
 
 def test_public_metrics_opens_metrics_only() -> None:
     config = GatewayConfig(
-        server={"api_keys": [CLIENT_KEY], "admin_api_key": ADMIN_KEY, "public_metrics": True},
+        server={"auth": {"api_keys": [CLIENT_KEY], "admin_api_key": ADMIN_KEY, "public_metrics": True}},
         backends=[{"name": "reference", "kind": "reference"}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )

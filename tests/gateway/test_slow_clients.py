@@ -1,6 +1,6 @@
 """A client that does not read its stream cannot make the gateway hold unbounded output for it: past
-``server.stream_buffer_tokens`` waiting tokens, or ``server.stall_timeout`` seconds without taking data, its
-engine request is aborted, its stream closed, and the stall counted."""
+``server.streams.stream_buffer_tokens`` waiting tokens, or ``server.streams.stall_timeout`` seconds without taking
+data, its engine request is aborted, its stream closed, and the stall counted."""
 
 from __future__ import annotations
 

@@ -385,7 +385,7 @@ def test_each_front_end_process_exports_its_requests_and_flushes_them_on_sigterm
 ) -> None:
     port = free_port()
     config: dict[str, Any] = {
-        "server": {"port": port, "workers": 2, "tracing": {"endpoint": receiver.endpoint}},
+        "server": {"http": {"port": port}, "runtime": {"workers": 2}, "tracing": {"endpoint": receiver.endpoint}},
         "backends": [{"name": "reference", "kind": "reference"}],
         "models": [{"name": "m", "backends": ["reference"]}],
     }

@@ -34,7 +34,7 @@ def fronted(node: HarnessNode) -> Iterator[RunningGateway]:
         backends=[{"name": "lm", "kind": "lmdeploy", "urls": [node.url], "api_key": API_KEY, "max_model_len": 512}],
         models=[{"name": MODEL, "backends": ["lm"], "circuit_breaker": {"failure_threshold": 1000}}],
     )
-    config.server.idle_timeout = 1.0
+    config.server.streams.idle_timeout = 1.0
     running = start_gateway(config)
     yield running
     stop_gateway(running)
@@ -98,7 +98,7 @@ def test_a_stream_that_goes_quiet_gets_pings_and_then_its_remaining_frames(node:
         backends=[{"name": "lm", "kind": "lmdeploy", "urls": [node.url], "api_key": API_KEY, "max_model_len": 512}],
         models=[{"name": MODEL, "backends": ["lm"]}],
     )
-    config.server.ping_seconds = 0.05
+    config.server.streams.ping_seconds = 0.05
     running = start_gateway(config)
     try:
         body = _chat("one two three [[stub pause=3 pause_after=1 tag=quiet]]", stream=True)

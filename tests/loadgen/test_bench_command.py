@@ -46,7 +46,7 @@ SCHEMA = Path(loadgen.__file__).with_name("results.schema.json")
 @pytest.fixture(scope="module")
 def timed_gateway() -> Iterator[RunningGateway]:
     config = GatewayConfig(
-        server={"access_log": False},
+        server={"runtime": {"access_log": False}},
         backends=[
             {
                 "name": "timed",

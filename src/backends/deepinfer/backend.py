@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backends.config import DeepInferBackendConfig
 from backends.deepinfer.engine import DeepInferEngine
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
-from backends.engine.backend import EngineBackend
+from backends.engine.backend import DrivenEngines, EngineBackend
 
 if TYPE_CHECKING:
-    from backends.workers.driver import WorkerPlan
+    from backends.workers.launch import WorkerPlan
 
 
-def build_deepinfer_backend(config: DeepInferBackendConfig) -> EngineBackend:
+def build_deepinfer_backend(config: DeepInferBackendConfig) -> DrivenEngines[Any]:
     """Nothing of DeepInfer is imported here: the engine is built on the driver thread when the backend starts
     (or, with ``data_parallel_size`` > 1 or ``worker_endpoints``, in one worker process per DP rank)."""
     if config.uses_workers:
@@ -40,7 +40,7 @@ def deepinfer_worker_plan(config: DeepInferBackendConfig, environ: Mapping[str, 
     the front-end supervisor for all its front ends) with the devices of ``environ`` split per rank, or reached at
     ``worker_endpoints``. With one rank there is nothing to keep in step: the engine simply lives in a worker."""
     from backends.deepinfer.ranks import RankEnvironment, data_parallel_options
-    from backends.workers.driver import WorkerPlan
+    from backends.workers.launch import WorkerPlan
 
     remote = list(config.worker_endpoints)
     options = config.model_dump(mode="json") if remote else data_parallel_options(config, environ)
@@ -55,7 +55,7 @@ def deepinfer_worker_plan(config: DeepInferBackendConfig, environ: Mapping[str, 
     )
 
 
-def _build_data_parallel_backend(config: DeepInferBackendConfig) -> EngineBackend:
+def _build_data_parallel_backend(config: DeepInferBackendConfig) -> DrivenEngines[Any]:
     """N DeepInfer ranks in lockstep worker processes behind the dispatcher (docs/data-parallel.md)."""
     from backends.deepinfer.ranks import load_tokenizer
     from backends.workers.backend import DataParallelBackend

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
 
-    from backends.workers.driver import WorkerPlan
-    from backends.workers.worker import RankContext, RankEngine
+    from backends.workers.launch import WorkerPlan
+    from backends.workers.spec import RankContext, RankEngine
 
 BOS = "<｜begin▁of▁sentence｜>"
 RELEASE_PLACEHOLDERS = tuple(f"<|place_holder_mm_span_{i:04d}|>" for i in range(21))
@@ -114,7 +114,7 @@ def node_worker_plan(
     A group on several nodes needs a fixed ``master_port``: ranks on different hosts must agree on it without
     talking first. A node that runs every rank may pick a free one.
     """
-    from backends.workers.driver import WorkerPlan
+    from backends.workers.launch import WorkerPlan
 
     if master_addr is not None:
         config = config.model_copy(update={"master_addr": master_addr})
@@ -206,7 +206,7 @@ def build_rank_engine(context: RankContext) -> RankEngine:
     that several front ends share it) has nothing to keep in step.
     """
     from backends.deepinfer.startup import start_engine
-    from backends.workers.worker import RankEngine
+    from backends.workers.spec import RankEngine
 
     config = DeepInferBackendConfig.model_validate(context.options)
     if config.data_parallel_size != context.size:

@@ -18,16 +18,6 @@ THINK_END = "</think>"
 
 IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 
-# Internal task tokens of the reference encoder. The gateway never emits them; they are listed so that
-# every special string of the format has one home.
-TASK_ACTION = "<｜action｜>"
-TASK_QUERY = "<｜query｜>"
-TASK_AUTHORITY = "<｜authority｜>"
-TASK_DOMAIN = "<｜domain｜>"
-TASK_TITLE = "<｜title｜>"
-TASK_READ_URL = "<｜read_url｜>"
-TASK_TOKENS = (TASK_ACTION, TASK_QUERY, TASK_AUTHORITY, TASK_DOMAIN, TASK_TITLE, TASK_READ_URL)
-
 DSML = "｜DSML｜"
 DSML_CALLS_START = f"<{DSML} calls>"
 DSML_CALLS_END = f"</{DSML} calls>"

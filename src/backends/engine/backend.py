@@ -9,14 +9,14 @@ import functools
 import importlib.metadata
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from backends.engine.choice import Choice
 from backends.engine.detokenizer import TokenTable
-from backends.engine.driver import EngineDriver
+from backends.engine.driver import DriverStats, EngineDriver, Sink
 from backends.engine.events import EngineEvents, EngineRun
 from backends.engine.prompts import (
     DEFAULT_PREPARE_THREADS,
@@ -31,7 +31,7 @@ from backends.engine.prompts import (
 from backends.engine.prompts import (
     OutputParser as OutputParser,  # re-exported: the parser protocol was defined beside the choice code
 )
-from backends.engine.protocol import EOS_TOKEN_ID, Engine, MetricSample
+from backends.engine.protocol import EOS_TOKEN_ID, Engine, EngineView, MetricSample
 from backends.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -56,8 +56,48 @@ BOS_TOKEN_ID, PAD_TOKEN_ID = 0, 2
 """DeepInfer's tokenizer policy: BOS 0, EOS 1 (``EOS_TOKEN_ID``), PAD 2."""
 
 
-class EngineBackend:
-    """Serves requests from one in-process engine driven by an ``EngineDriver``."""
+class Driver(Protocol):
+    """What a backend over engines needs of the thing that steps them: one engine on a thread here
+    (``EngineDriver``), or ranks in worker processes (``backends.workers.driver.DataParallelDriver``)."""
+
+    @property
+    def engine(self) -> EngineView | None: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def stats(self) -> DriverStats: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def add(
+        self,
+        request_id: str,
+        sampling_params: dict[str, Any],
+        prompt_token_ids: np.ndarray,
+        sink: Sink,
+        index: int,
+        user_id: str = "",
+    ) -> int | None: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+
+D = TypeVar("D", bound=Driver)
+
+
+class DrivenEngines(Generic[D]):
+    """Serves requests from the engines a driver steps: prompt preparation, engine requests and their events. The
+    request path is this one code whichever driver is underneath."""
 
     supported_sampling: frozenset[str] = frozenset()
     supported_features: frozenset[str] = frozenset()
@@ -66,7 +106,7 @@ class EngineBackend:
         self,
         name: str,
         kind: str,
-        engine_factory: Callable[[], Engine],
+        driver: D,
         chat_template: ChatTemplate,
         *,
         prepare_threads: int = DEFAULT_PREPARE_THREADS,
@@ -74,7 +114,7 @@ class EngineBackend:
         self.name = name
         self.kind = kind
         self.supported_features = type(self).supported_features | getattr(chat_template, "features", frozenset())
-        self.driver = EngineDriver(engine_factory, name=name)
+        self.driver = driver
         self._chat_template = chat_template
         self._prompts = PromptPreparer(chat_template, threads=prepare_threads, name=name)
         self._table: TokenTable | None = None
@@ -209,7 +249,7 @@ class EngineBackend:
 
     # ---- TokenizingBackend ------------------------------------------------------------------------------------
 
-    def _ready_engine(self) -> Engine:
+    def _ready_engine(self) -> EngineView:
         engine = self.driver.engine
         if not self._started or engine is None:
             raise UnavailableError(f"backend {self.name!r} is not ready: {self.readiness()[1]}")
@@ -265,6 +305,22 @@ async def _encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) 
     else:
         encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return list(encoding.ids)
+
+
+class EngineBackend(DrivenEngines[EngineDriver]):
+    """Serves requests from one in-process engine, which an ``EngineDriver`` builds and steps on its thread."""
+
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        engine_factory: Callable[[], Engine],
+        chat_template: ChatTemplate,
+        *,
+        prepare_threads: int = DEFAULT_PREPARE_THREADS,
+    ) -> None:
+        driver = EngineDriver(engine_factory, name=name)
+        super().__init__(name, kind, driver, chat_template, prepare_threads=prepare_threads)
 
 
 def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len: int) -> int:

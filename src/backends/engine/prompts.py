@@ -15,7 +15,7 @@ rather than four: the SDK's cost is per span).
 A small prompt with nothing to compile (``INLINE_PROMPT_CHARS``, no tools, no ``response_format``, not traced) is
 prepared on the event loop instead: rendering and tokenizing a few hundred characters takes tens of microseconds,
 less than the hand-off to a pool thread and back (a queue, two thread wake-ups, the loop's self-pipe), which was
-about a tenth of the front end's CPU per request on short chats (issue 23).
+about a tenth of the front end's CPU per request on short chats.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from backends.engine.detokenizer import TokenTable
-from backends.engine.protocol import Engine, StructuredOutputCompiler
+from backends.engine.protocol import EngineView, StructuredOutputCompiler
 from backends.errors import ContextLengthExceededError, InvalidRequestError
 from backends.heap import release_free_heap
 from backends.interface import GenerateRequest, SamplingOptions, ToolCallDelta, TraceValue, traced_stage
@@ -133,10 +133,10 @@ class PromptPreparer:
         self._threads = threads
         self._name = name
         self._executor: ThreadPoolExecutor | None = None
-        self._engine: Engine | None = None
+        self._engine: EngineView | None = None
         self._max_token_bytes: int | None = None
 
-    def start(self, engine: Engine, table: TokenTable) -> None:
+    def start(self, engine: EngineView, table: TokenTable) -> None:
         """Binds the engine whose tokenizer and limits apply and starts the pool."""
         self._engine = engine
         self._max_token_bytes = _max_token_bytes(engine.tokenizer, table)
@@ -168,7 +168,7 @@ class PromptPreparer:
     # ---- pool threads ----------------------------------------------------------------------------------------
 
     def _prepare(
-        self, request: GenerateRequest, engine: Engine, parts: dict[str, TraceValue] | None, submitted: int
+        self, request: GenerateRequest, engine: EngineView, parts: dict[str, TraceValue] | None, submitted: int
     ) -> PreparedPrompt:
         """The preparation job; a traced one (``parts``) also notes how long each part took, from ``submitted``
         (when the event loop handed it to the pool) on."""
@@ -210,7 +210,7 @@ class PromptPreparer:
                 _part(parts, "gateway.prompt.compile_s", mark)
         return PreparedPrompt(ids, chat, so_args)
 
-    def _tokenize(self, text: str, add_special_tokens: bool, engine: Engine, *, param: str) -> np.ndarray:
+    def _tokenize(self, text: str, add_special_tokens: bool, engine: EngineView, *, param: str) -> np.ndarray:
         limit = engine.max_model_len
         if self._max_token_bytes and len(text) > limit * self._max_token_bytes:
             # Every token covers at most max_token_bytes bytes of the text, and a character is at least one byte:

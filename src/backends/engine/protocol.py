@@ -62,6 +62,20 @@ class MetricSample(NamedTuple):
     value: float
 
 
+class EngineView(Protocol):
+    """What the request path reads of an engine: its tokenizer and limits. An in-process ``Engine`` is one; the
+    data-parallel driver's view of its ranks (``backends.workers.ranks.RankedEngineView``) is another."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     """DeepInfer's ``LLMEngine`` surface, with ``step()`` returning plain records.

@@ -191,6 +191,15 @@ class LMDeployBackend:
                 node.retries_away += 1
                 last = failure
 
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int | None:
+        """``PromptCountingBackend``: a node's own count (``/v1/messages/count_tokens``, no engine work), for the
+        plain-text conversations where it is exact; else None (a proxy has no such route)."""
+        node = self.pool.choose()
+        if self._upstream is None or node is None or node.kind == "proxy" or request.messages is None:
+            return None
+        model = self.config.model_map.get(request.model) or self.config.model or node.model or ""
+        return await self._upstream.count_prompt_tokens(node, request, model)
+
     # metrics
     def metric_families(self) -> list[Metric]:
         """Per-node metrics, read at scrape time (labels: backend, node)."""

@@ -102,9 +102,9 @@ class UpstreamClient:
             node=node.url,
         )
         started = loop.time()
+        # The gateway's own request deadline needs nothing here: it closes the event iterator, which closes this
+        # upstream stream. This bound is the backend's own (``total_timeout``).
         deadline = started + self._config.total_timeout if self._config.total_timeout else float("inf")
-        if request.deadline is not None:
-            deadline = min(deadline, request.deadline)
         headers = self._headers
         if request.trace is not None:  # the upstream request joins the client's trace
             headers = {**headers, **request.trace.headers()}

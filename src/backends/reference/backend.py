@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backends.config import ReferenceBackendConfig
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
-from backends.engine.backend import EngineBackend
+from backends.engine.backend import DrivenEngines, EngineBackend
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from backends.reference.engine import ReferenceEngine
-    from backends.workers.driver import WorkerPlan
+    from backends.workers.launch import WorkerPlan
     from backends.workers.spec import RankContext, RankEngine
 
 
-def build_reference_backend(config: ReferenceBackendConfig) -> EngineBackend:
+def build_reference_backend(config: ReferenceBackendConfig) -> DrivenEngines[Any]:
     if config.uses_workers:
         return _build_data_parallel_backend(config)
 
@@ -55,7 +55,7 @@ def _make_engine(config: ReferenceBackendConfig, seed: int | None) -> ReferenceE
 def reference_worker_plan(config: ReferenceBackendConfig) -> WorkerPlan:
     """Where the ranks of ``config`` run and how each builds its engine (also used by the front-end supervisor,
     which starts them once for all its front-end processes)."""
-    from backends.workers.driver import WorkerPlan
+    from backends.workers.launch import WorkerPlan
 
     return WorkerPlan(
         size=config.data_parallel_size,
@@ -68,7 +68,7 @@ def reference_worker_plan(config: ReferenceBackendConfig) -> WorkerPlan:
     )
 
 
-def _build_data_parallel_backend(config: ReferenceBackendConfig) -> EngineBackend:
+def _build_data_parallel_backend(config: ReferenceBackendConfig) -> DrivenEngines[Any]:
     from backends.workers.backend import DataParallelBackend
 
     return DataParallelBackend(

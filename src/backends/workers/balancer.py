@@ -82,11 +82,6 @@ class RankBalancer:
         """Another dispatcher sent a prompt with these ``prefix_hashes`` (as bytes) to ``rank``."""
         self._remember(np.frombuffer(prefix, dtype="<u8").tolist(), rank)
 
-    def holder(self, prompt: np.ndarray) -> tuple[int, int]:
-        """The rank known to hold the longest prefix of ``prompt``, and that prefix's length in tokens (-1, 0:
-        none)."""
-        return self._longest_hit(self.prefix_hashes(prompt).tolist())
-
     def forget(self, rank: int) -> None:
         """A restarted rank's engine starts with an empty cache: stop sending prefixes there for it."""
         stale = [h for h, r in self._table.items() if r == rank]

@@ -39,19 +39,10 @@ from backends.engine.protocol import EngineOutput
 from backends.errors import BackendError, UnavailableError
 from backends.workers import messages as m
 from backends.workers.balancer import RankBalancer
-from backends.workers.launch import RankProcess, WorkerPlan, free_port
-from backends.workers.rank_lifecycle import HEARTBEAT_CHECK_SECONDS, RankLifecycle
+from backends.workers.launch import WorkerPlan
+from backends.workers.rank_lifecycle import RankLifecycle
 from backends.workers.ranks import RankedEngineView, RankState
 from backends.workers.supervisor import Clock, RankSupervisor
-
-__all__ = [
-    "HEARTBEAT_CHECK_SECONDS",
-    "STOP_TIMEOUT_SECONDS",
-    "DataParallelDriver",
-    "RankProcess",
-    "WorkerPlan",
-    "free_port",
-]
 
 logger = logging.getLogger(__name__)
 

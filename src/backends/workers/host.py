@@ -1,7 +1,7 @@
 """Hosts a backend's rank workers for several front-end processes: started once, on endpoints that do not change,
 and started again when they exit, while every front end connects to them as a dispatcher.
 
-The front-end supervisor (``gateway/server.py``) runs this with ``server.workers > 1``: were each front end to
+The front-end supervisor (``gateway/server.py``) runs this with ``server.runtime.workers > 1``: were each front end to
 start its own ranks, N front ends would start N engines per rank. The front ends are handed the endpoints as
 ``worker_endpoints`` and treat the ranks as remote: they connect, never start or stop them, and notice a new
 incarnation by its ``READY``. Synchronous on purpose: the supervisor's loop waits on process descriptors.
@@ -25,8 +25,9 @@ from collections.abc import Sequence
 import zmq
 
 from backends.workers import messages as m
-from backends.workers.driver import STOP_TIMEOUT_SECONDS, RankProcess, WorkerPlan, free_port
+from backends.workers.driver import STOP_TIMEOUT_SECONDS
 from backends.workers.keys import keys_for
+from backends.workers.launch import RankProcess, WorkerPlan, free_port
 from backends.workers.startup import LaunchStatus
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from backends.workers.spec import DISPATCHER_LEASE_SECONDS, WorkerSpec
 from backends.workers.startup import LaunchStatus, read_failure
-from backends.workers.worker import DISPATCHER_LEASE_SECONDS, WorkerSpec
 
 FIRST_LAUNCH = LaunchStatus(1, "", 0.0)
 

@@ -116,10 +116,6 @@ def bound_queues(socket: zmq.Socket) -> None:
     socket.setsockopt(zmq.RCVHWM, QUEUE_MESSAGES)
 
 
-ERROR_KINDS = ("invalid_request", "upstream", "overloaded")
-"""How a per-request error crosses the wire: its kind (rebuilt as the matching ``BackendError``) and message."""
-
-
 def pack(message: list[Any]) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 

@@ -28,8 +28,9 @@ from urllib.parse import urlsplit
 import zmq
 
 from backends.workers import messages as m
-from backends.workers.driver import STOP_TIMEOUT_SECONDS, RankProcess, WorkerPlan
+from backends.workers.driver import STOP_TIMEOUT_SECONDS
 from backends.workers.keys import keys_for
+from backends.workers.launch import RankProcess, WorkerPlan
 
 logger = logging.getLogger(__name__)
 

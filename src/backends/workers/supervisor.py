@@ -102,9 +102,6 @@ class RankSupervisor:
         self.units = [Unit(ranks) for ranks in groups]
         self._unit_of = {rank: unit for unit in self.units for rank in unit.ranks}
 
-    def unit_of(self, rank: int) -> Unit:
-        return self._unit_of[rank]
-
     def start(self) -> None:
         """Launches every unit."""
         for unit in self.units:

@@ -23,19 +23,10 @@ from backends.workers import messages as m
 from backends.workers.dispatchers import route_to_dispatchers
 from backends.workers.keys import keys_for
 from backends.workers.rank_loop import Worker
-from backends.workers.spec import DISPATCHER_LEASE_SECONDS, RankContext, RankEngine, WorkerSpec, load_factory
+from backends.workers.spec import RankContext, WorkerSpec, load_factory
 from backends.workers.startup import LaunchStatus, StartupResponder
 
 logger = logging.getLogger(__name__)
-
-__all__ = [  # where launchers, engine factories and tests have always found the rank process's names
-    "DISPATCHER_LEASE_SECONDS",
-    "RankContext",
-    "RankEngine",
-    "Worker",
-    "WorkerSpec",
-    "main",
-]
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -5,7 +5,7 @@ A signature is URL-safe base64 of one version byte, the 32-byte MAC and, when th
 (``thinking.display: "omitted"``), the reasoning itself, zlib-compressed, so that replaying the empty block gives
 the model its reasoning back. That is authentication, not encryption: whoever holds the signature can read it.
 
-The secret is ``server.thinking_signature_key``; without one, a random key kept in the cache directory
+The secret is ``server.auth.thinking_signature_key``; without one, a random key kept in the cache directory
 (``$DEEPINFER_GATEWAY_CACHE/thinking-signature.key``, created once per host), which every process of a host shares.
 Replicas on several hosts need the same configured key to accept each other's signatures.
 """

@@ -14,7 +14,8 @@ class BatchesConfig(BaseModel):
         pattern=r"^(sqlite|sqlite://.+|state_store)$",
         description="where files and batch state live: sqlite (batches.sqlite3 in $DEEPINFER_GATEWAY_CACHE or "
         "~/.cache/deepinfer-gateway, beside the stored responses) or sqlite://PATH, shared by the processes that "
-        "open the same file; or state_store: the Redis/Valkey of server.state_store, shared by every replica, with "
+        "open the same file; or state_store: the Redis/Valkey of server.stores.state_store, shared by every replica, "
+        "with "
         "file contents in files_dir",
     )
     files_dir: str | None = Field(

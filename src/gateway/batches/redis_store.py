@@ -1,4 +1,4 @@
-"""``RedisBatchStore``: batches, leases, results and file metadata in Redis/Valkey (``server.state_store``), file
+"""``RedisBatchStore``: batches, leases, results and file metadata in Redis/Valkey (``server.stores.state_store``), file
 contents on a volume every replica mounts (``server.batches.files_dir``).
 
 Redis holds what must change atomically across replicas: a batch's status and lease, each line's result (``HSETNX``:

@@ -117,12 +117,12 @@ def default_sqlite_path() -> Path:
 
 def open_batch_store(config: BatchesConfig, shared: Redis | None) -> BatchStore:
     """``sqlite`` (the default file), ``sqlite://PATH``, or ``state_store`` (the Redis/Valkey of
-    ``server.state_store``, ``shared``, with file contents in ``config.files_dir``)."""
+    ``server.stores.state_store``, ``shared``, with file contents in ``config.files_dir``)."""
     if config.store == STATE_STORE:
         from gateway.batches.redis_store import RedisBatchStore
 
         if shared is None or config.files_dir is None:
-            raise ValueError("batches.store: state_store needs server.state_store and batches.files_dir")
+            raise ValueError("batches.store: state_store needs server.stores.state_store and batches.files_dir")
         return RedisBatchStore(shared, Path(config.files_dir), max_stored_bytes=config.max_stored_bytes)
     from gateway.batches.sqlite_store import SQLiteBatchStore
 

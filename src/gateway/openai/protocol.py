@@ -380,6 +380,3 @@ class CompletionRequest(_Sampling):
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
-
-    def prompt_count(self) -> int:
-        return len(self.prompts())

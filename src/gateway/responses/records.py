@@ -2,7 +2,7 @@
 
 Every response belongs to the tenant that created it (``gateway.auth.request_owner``): a store answers a read or
 a delete only for that owner, so another tenant's id is exactly as unknown as an id that never existed. Each store
-is bounded in bytes (``server.responses_max_bytes``, counted as the serialized response plus its input items).
+is bounded in bytes (``server.stores.responses_max_bytes``, counted as the serialized response plus its input items).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ return 1
 
 class RedisResponseStore:
     """Responses in Redis or Valkey: every front-end process and replica sees every response. Its own instance
-    (``responses_store: redis://...``) keeps them from ever crowding out the budgets of ``server.state_store``;
+    (``responses_store: redis://...``) keeps them from ever crowding out the budgets of ``server.stores.state_store``;
     ``state_store`` shares that instance, and then only this store's byte bound keeps them apart."""
 
     def __init__(

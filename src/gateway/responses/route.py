@@ -2,7 +2,7 @@
 
 A request becomes a chat ``GenerateRequest`` (its input items, and those of the responses it continues, as chat
 messages), is routed, admitted, observed and streamed exactly as a chat completion is, and its events come back
-as Responses output items. Stored responses live in ``state.responses`` (``server.responses_store``) and belong
+as Responses output items. Stored responses live in ``state.responses`` (``server.stores.responses_store``) and belong
 to the tenant that created them: another tenant's id gets the answer an unknown id gets (404 here, and
 ``previous_response_not_found`` when continued), so a response's existence is not revealed either. The admin key
 reads none of them (it is for operating the gateway, not for reading tenants' conversations).
@@ -22,7 +22,7 @@ from backends.interface import GenerateRequest, Usage
 from gateway.auth import request_label, request_owner, request_service_tier
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
-from gateway.limits import admitted
+from gateway.pipeline import Reply, serve
 from gateway.responses.output import ResponsesFormat, response_envelope
 from gateway.responses.protocol import (
     CreateResponseRequest,
@@ -34,7 +34,6 @@ from gateway.responses.protocol import (
 )
 from gateway.responses.records import StoredResponse
 from gateway.responses.store import StoredResponses
-from gateway.routes.generate import _respond
 from gateway.state import GatewayState, gateway_state
 
 router = APIRouter(tags=["responses"], route_class=OffloadedJSONRoute)  # large inputs are parsed off the loop
@@ -57,7 +56,7 @@ async def _history(state: GatewayState, previous_id: str, owner: str) -> tuple[l
     """The items of the conversation so far (each earlier response's input items, then its output) and the
     tokens they come to, as far as the last response's usage tells (its input was the whole conversation before
     it)."""
-    chain = await _stored(state).chain(previous_id, owner, state.config.server.max_messages)
+    chain = await _stored(state).chain(previous_id, owner, state.config.server.limits.max_messages)
     if chain is None:
         raise APIError(
             400,
@@ -93,10 +92,10 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
             param=f"input[{position}]",
         )
     messages = chat_messages(body.instructions, history + body.items)
-    if len(messages) > server.max_messages:
-        raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="input")
-    if body.tools and len(body.tools) > server.max_tools:
-        raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
+    if len(messages) > server.limits.max_messages:
+        raise APIError(400, f"at most {server.limits.max_messages} messages are allowed.", param="input")
+    if body.tools and len(body.tools) > server.limits.max_tools:
+        raise APIError(400, f"at most {server.limits.max_tools} tools are allowed.", param="tools")
     model = state.router.served_name(body.model)
     response_id = new_id("resp")
     created_at = time.time()
@@ -111,38 +110,32 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
         record = StoredResponse(response_id, created_at, fmt.final, body.items, body.previous_response_id, owner)
         await _stored(state).save(record)
 
+    reply = Reply(
+        lambda _fingerprint: fmt,
+        stream=body.stream,
+        include_usage=True,  # the terminal event carries the usage
+        want_logprobs=body.wants_logprobs(),
+        on_complete=store if body.stores() else None,
+    )
     try:
-        limits = state.limits
-        assert limits is not None
-        async with admitted(request, limits, body.max_output_tokens, prompt_tokens=history_tokens) as reservation:
-            generate = GenerateRequest(
-                request_id=request.state.request_id,
-                model=model,
-                messages=messages,
-                sampling=body.sampling_options(),
-                user=body.user,
-                tools=body.chat_tools(),
-                tool_choice=body.chat_tool_choice(),
-                parallel_tool_calls=body.parallel_tool_calls,
-                response_format=body.response_format(),
-                reasoning_effort=body.reasoning_effort(),
-                service_tier=tier,
-                tenant=label,
-                log=request.state.log,
-            )
-            events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
-            return await _respond(
-                request,
-                state,
-                events,
-                lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
-                model=model,
-                reservation=reservation,
-                stream=body.stream,
-                include_usage=True,  # the terminal event carries the usage
-                want_logprobs=body.wants_logprobs(),
-                on_complete=store if body.stores() else None,
-            )
+        generate = GenerateRequest(
+            request_id=request.state.request_id,
+            model=model,
+            messages=messages,
+            sampling=body.sampling_options(),
+            user=body.user,
+            tools=body.chat_tools(),
+            tool_choice=body.chat_tool_choice(),
+            parallel_tool_calls=body.parallel_tool_calls,
+            response_format=body.response_format(),
+            reasoning_effort=body.reasoning_effort(),
+            service_tier=tier,
+            tenant=label,
+            log=request.state.log,
+        )
+        return await serve(
+            request, state, generate, reply, reserve=body.max_output_tokens, prompt_tokens=history_tokens
+        )
     except InvalidRequestError as exc:  # the backend names chat parameters: name them as this request did
         exc.message = responses_message(exc.message)
         exc.param = responses_param(exc.param) if exc.param is not None else None

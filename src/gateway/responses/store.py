@@ -51,7 +51,7 @@ def open_response_store(
     shared state store's client, ``shared``)."""
     if spec == STATE_STORE:
         if shared is None:
-            raise ValueError("responses_store 'state_store' needs server.state_store")
+            raise ValueError("responses_store 'state_store' needs server.stores.state_store")
         return RedisResponseStore(shared, owns_client=False, max_age=max_age, max_bytes=max_bytes, clock=clock)
     if spec.startswith(REDIS_SCHEMES):
         from redis.asyncio import Redis
@@ -83,7 +83,7 @@ class StoredResponses:
         )
         self.evicted = Counter(
             "gateway_responses_evicted",
-            "Stored responses dropped, oldest first, to keep the store within server.responses_max_bytes.",
+            "Stored responses dropped, oldest first, to keep the store within server.stores.responses_max_bytes.",
             registry=registry,
         )
 
@@ -98,7 +98,7 @@ class StoredResponses:
             return
         if evicted == NOT_KEPT:
             self.evicted.inc()
-            logger.warning("response %s is larger than server.responses_max_bytes: not stored", record.id)
+            logger.warning("response %s is larger than server.stores.responses_max_bytes: not stored", record.id)
             return
         self.written.inc()
         self.evicted.inc(evicted)

@@ -15,18 +15,16 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from backends.errors import ContextLengthExceededError, InvalidRequestError, UpstreamError
-from backends.interface import Backend, GenerateRequest, SamplingOptions, TokenizingBackend, Usage
+from backends.errors import ContextLengthExceededError, InvalidRequestError
 from gateway.anthropic.output import MessagesFormat, new_id
 from gateway.anthropic.protocol import ConversationRequest, CountTokensRequest, MessagesRequest
 from gateway.anthropic.signatures import ThinkingSigner
 from gateway.anthropic.translate import generate_request, messages_terms
 from gateway.auth import request_label
 from gateway.bodies import OffloadedJSONRoute
-from gateway.capabilities import capability
+from gateway.counting import count_prompt
 from gateway.errors import APIError
-from gateway.limits import admitted
-from gateway.routes.generate import _limits, _respond
+from gateway.pipeline import Reply, serve
 from gateway.routes.tokenize import _counted
 from gateway.state import GatewayState, gateway_state
 
@@ -44,10 +42,10 @@ def _signer(state: GatewayState) -> ThinkingSigner:
 
 def _check_size(body: ConversationRequest, state: GatewayState) -> None:
     server = state.config.server
-    if len(body.messages) > server.max_messages:
-        raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="messages")
-    if body.tools and len(body.tools) > server.max_tools:
-        raise APIError(400, f"at most {server.max_tools} tools are allowed.", param="tools")
+    if len(body.messages) > server.limits.max_messages:
+        raise APIError(400, f"at most {server.limits.max_messages} messages are allowed.", param="messages")
+    if body.tools and len(body.tools) > server.limits.max_tools:
+        raise APIError(400, f"at most {server.limits.max_tools} tools are allowed.", param="tools")
 
 
 def _in_messages_terms(exc: InvalidRequestError) -> InvalidRequestError:
@@ -72,7 +70,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         request_id=request.state.request_id,
         model=model,
         signer=_signer(state),
-        max_buffered_tokens=state.config.server.stream_buffer_tokens,
+        max_buffered_tokens=state.config.server.streams.stream_buffer_tokens,
     )
     # Anthropic's auto is the key's default tier; standard_only is the default tier when the key may use it.
     generate.tenant = request_label(request)
@@ -87,28 +85,18 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         omit_thinking=body.reasoning_display_omitted(),
         service_tier=generate.service_tier,
     )
+    # The usage ends a Messages stream: it carries message_delta.
+    reply = Reply(lambda _fingerprint: fmt, stream=body.stream, include_usage=True, want_logprobs=False)
     try:
-        async with admitted(request, _limits(state), body.max_tokens) as reservation:
-            events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
-            return await _respond(
-                request,
-                state,
-                events,
-                lambda _fingerprint: fmt,  # type: ignore[arg-type,return-value]
-                model=model,
-                reservation=reservation,
-                stream=body.stream,
-                include_usage=True,  # the usage ends a Messages stream: it carries message_delta
-                want_logprobs=False,
-            )
+        return await serve(request, state, generate, reply, reserve=body.max_tokens)
     except InvalidRequestError as exc:
         raise _in_messages_terms(exc) from None
 
 
 @router.post("/v1/messages/count_tokens", response_model=None)
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
-    """The ``input_tokens`` ``/v1/messages`` reports for the same request: the model's first backend encodes the
-    prompt (or, when it does not expose its tokenizer, as LMDeploy, generates one token and reports its usage)."""
+    """The ``input_tokens`` ``/v1/messages`` reports for the same request, from a target chosen as for any request
+    (the model's policy, pinning, breakers, fallbacks) and within the key's budgets (``gateway.counting``)."""
     state = gateway_state(request)
     with _counted(state, "count_tokens"):
         _check_size(body, state)
@@ -116,26 +104,11 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
         generate = generate_request(
             body, request_id=request.state.request_id, model=model, signer=_signer(state), max_buffered_tokens=None
         )
-        backend = state.router.backends_of(model)[0]
+        generate.tenant = request_label(request)
+        generate.log = request.state.log
         try:
-            if (tokenizing := capability(backend, TokenizingBackend)) is not None:
-                count = len(await tokenizing.tokenize(generate))
-            else:
-                count = await _prompt_tokens_by_generating(backend, generate)
+            counted = await count_prompt(request, state, generate)
         except InvalidRequestError as exc:
             raise _in_messages_terms(exc) from None
-    body_out: dict[str, Any] = {"input_tokens": count}
-    return Response(orjson.dumps(body_out), media_type="application/json")
-
-
-async def _prompt_tokens_by_generating(backend: Backend, request: GenerateRequest) -> int:
-    """The prompt tokens a backend reports for the request, from a generation of one token (closed at once)."""
-    request.sampling = SamplingOptions(max_tokens=1, fit_context=True)
-    events = backend.generate(request)
-    try:
-        async for event in events:
-            if isinstance(event, Usage):
-                return event.prompt_tokens
-    finally:
-        await events.aclose()
-    raise UpstreamError(f"backend {backend.name!r} reported no usage for the prompt")
+    body_out: dict[str, Any] = {"input_tokens": counted.tokens}
+    return Response(orjson.dumps(body_out), media_type="application/json", headers=counted.headers)

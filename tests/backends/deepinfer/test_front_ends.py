@@ -1,4 +1,5 @@
-"""``kind: deepinfer`` under ``server.workers: 2``: the supervisor hosts the engines once, every front end serves.
+"""``kind: deepinfer`` under ``server.runtime.workers: 2``: the supervisor hosts the engines once, every front end
+serves.
 
 The gateway runs through its CLI (``deepinfer-gateway serve``) as a user runs it. The rank workers import the TEST
 DOUBLEs of ``deepinfer`` and ``torch.distributed`` through ``PYTHONPATH`` (as in ``test_data_parallel.py``); the
@@ -61,7 +62,7 @@ def serve_front_ends(tmp_path: Path, backends: list[dict[str, Any]]) -> Iterator
     """``deepinfer-gateway serve`` with two front ends and one model per backend; killed (with its tree) after."""
     port = free_port()
     config = {
-        "server": {"port": port, "workers": 2},
+        "server": {"http": {"port": port}, "runtime": {"workers": 2}},
         "backends": backends,
         "models": [{"name": b["name"], "backends": [b["name"]]} for b in backends],
     }

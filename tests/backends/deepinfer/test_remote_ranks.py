@@ -52,7 +52,11 @@ class Cluster:
             "worker_endpoints": self.endpoints,
             "env": ENGINE_ENV,
         }
-        config = {"server": {"port": self.port}, "backends": [backend], "models": [{"name": "di", "backends": ["di"]}]}
+        config = {
+            "server": {"http": {"port": self.port}},
+            "backends": [backend],
+            "models": [{"name": "di", "backends": ["di"]}],
+        }
         self.config = folder / "gateway.yaml"
         self.config.write_text(yaml.safe_dump(config))
         self.environment = {**double_environment(), "DEEPINFER_DOUBLE_COLLECTIVE_TIMEOUT": "5"}

@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.config import ApiKeyConfig
+from gateway.server_config import ApiKeyConfig
 
 from ...budget_client import (
     FrozenClock,
@@ -256,6 +256,21 @@ def test_client_disconnect_before_the_first_token_cancels_the_engine_request(
     assert wait_until(lambda: node.events(event="cancel", tag="gone-early"))
 
 
+def test_the_gateways_request_deadline_closes_the_upstream_request(node: HarnessNode) -> None:
+    """The backend is told of no deadline: the gateway's own, when it passes, closes the event iterator, and that
+    closes the upstream stream, so the node cancels the work."""
+    config = gateway_config([node.url], failure_threshold=1000)
+    config.server.streams.request_timeout = 1.0
+    running = start_gateway(config)
+    try:
+        body = {"model": PUBLIC_MODEL, "messages": messages("one two [[stub first_delay=30 tag=past-deadline]]")}
+        response = httpx.post(f"{running.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 504, response.text
+        assert wait_until(lambda: node.events(event="cancel", tag="past-deadline"))
+    finally:
+        stop_gateway(running)
+
+
 def test_ready_and_metrics_show_the_node(lm_gateway: RunningGateway, node: HarnessNode, http: httpx.Client) -> None:
     ready = http.get("/ready")
     assert ready.status_code == 200
@@ -287,8 +302,8 @@ def test_a_key_that_hangs_up_or_whose_stream_fails_pays_for_what_it_read(node: H
     engine failed mid-stream) is charged the tokens the gateway forwarded plus its prompt estimate."""
     key, label, tpm, step = "sk-metered-0123456789", "team", 100_000, 4
     config = gateway_config([node.url])
-    config.server.api_keys = [ApiKeyConfig(key=key, name=label, tokens_per_minute=tpm)]
-    config.server.admin_api_key = "sk-admin-0123456789"
+    config.server.auth.api_keys = [ApiKeyConfig(key=key, name=label, tokens_per_minute=tpm)]
+    config.server.auth.admin_api_key = "sk-admin-0123456789"
     running = start_gateway(config, budget_clock=FrozenClock())
     try:
         body: dict[str, Any] = {

@@ -4,12 +4,18 @@ every body and event checked against its types."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import anthropic
 import httpx
 import httpx2
 import pytest
 
+from gateway.server_config import ApiKeyConfig
+
 from ...anthropic_conformance import ConformingTransport, checked_stream
+from ...budget_client import charged
 from ...conftest import RunningGateway, start_gateway, stop_gateway
 from .conftest import PUBLIC_MODEL, gateway_config
 from .harness.server import HarnessNode
@@ -50,6 +56,46 @@ def test_a_streamed_message_thinks_then_answers_and_counts_its_prompt(
     assert counted.input_tokens == final.usage.input_tokens, "LMDeploy counts by generating one token"
 
 
+@pytest.fixture(scope="module")
+def counting_gateway(node: HarnessNode) -> Iterator[RunningGateway]:
+    """The shared node behind a key with a token budget, whose charges the tests read."""
+    config = gateway_config([node.url], failure_threshold=1000)
+    config.server.auth.api_keys = [ApiKeyConfig(key="sk-counting-key", name="counting", tokens_per_minute=100_000)]
+    config.server.auth.public_metrics = True
+    running = start_gateway(config)
+    yield running
+    stop_gateway(running)
+
+
+def _counted_and_charged(gateway: RunningGateway, **body: Any) -> tuple[int, float]:
+    client = anthropic.Anthropic(base_url=gateway.base_url, api_key="sk-counting-key", max_retries=0)
+    before = charged(gateway, "counting")
+    counted = client.messages.count_tokens(model=PUBLIC_MODEL, **body).input_tokens
+    return counted, charged(gateway, "counting") - before
+
+
+def test_a_plain_conversation_is_counted_by_the_node_without_generating(
+    counting_gateway: RunningGateway, node: HarnessNode
+) -> None:
+    said = [{"role": "user", "content": "Hi there [[stub tag=count-plain]]"}]
+    counted, cost = _counted_and_charged(counting_gateway, messages=said)
+    assert not node.events(event="start", tag="count-plain"), "no engine request"
+    assert cost == 0
+    client = anthropic.Anthropic(base_url=counting_gateway.base_url, api_key="sk-counting-key", max_retries=0)
+    assert client.messages.create(model=PUBLIC_MODEL, max_tokens=8, messages=said).usage.input_tokens == counted
+
+
+def test_a_count_with_tools_generates_one_token_and_is_charged_for_it(
+    counting_gateway: RunningGateway, node: HarnessNode
+) -> None:
+    """The node's own count leaves the tools out: the exact count runs the prompt for one token, real work the key
+    pays for like a request."""
+    said = [{"role": "user", "content": "Weather? [[stub tag=count-tools]]"}]
+    counted, cost = _counted_and_charged(counting_gateway, messages=said, tools=[WEATHER])
+    assert node.events(event="start", tag="count-tools")
+    assert cost == counted + 1
+
+
 def test_a_forced_tool_call_comes_back_as_a_tool_use_block(claude: anthropic.Anthropic) -> None:
     """LMDeploy does not constrain a forced call: the stub writes it (qwen3's markup), the node's parser reads it."""
     call = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -70,7 +116,7 @@ def test_a_forced_tool_call_comes_back_as_a_tool_use_block(claude: anthropic.Ant
 def test_a_stream_that_goes_quiet_gets_ping_events(node: HarnessNode) -> None:
     """The upstream pauses after its first token for 20 ping intervals; the pause ends the wait, not a clock."""
     config = gateway_config([node.url])
-    config.server.ping_seconds = 0.05
+    config.server.streams.ping_seconds = 0.05
     running = start_gateway(config)
     body = {
         "model": PUBLIC_MODEL,

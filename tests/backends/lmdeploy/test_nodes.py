@@ -12,6 +12,7 @@ import pytest
 from backends.errors import UpstreamError
 from backends.interface import Delta, Finish, Usage
 
+from ...waiting import until
 from .conftest import running_backend
 from .harness.server import API_KEY, MODEL_NAME, HarnessNode, make_node
 from .test_backend import chat, collect, text_of
@@ -90,7 +91,7 @@ async def test_a_sleeping_node_is_failed_over_and_taken_out_until_it_wakes(
         finally:
             async with httpx.AsyncClient(headers=headers) as admin:
                 assert (await admin.post(f"{a.url}/wakeup", json={})).status_code == 200
-        assert await _until(lambda: backend.pool.nodes[0].healthy, 30), "the next good /health probe brings it back"
+        assert await until(lambda: backend.pool.nodes[0].healthy, 30), "the next good /health probe brings it back"
 
 
 async def test_a_dead_node_is_taken_out_and_brought_back_when_healthy(pair: tuple[HarnessNode, HarnessNode]) -> None:
@@ -105,17 +106,7 @@ async def test_a_dead_node_is_taken_out_and_brought_back_when_healthy(pair: tupl
         assert "unreachable" in backend.pool.nodes[0].reason or "connect" in backend.pool.nodes[0].reason
         assert len(b.events(event="finish", tag="dead")) == 3
         a.start()
-        assert await _until(lambda: backend.pool.nodes[0].healthy, 30)
+        assert await until(lambda: backend.pool.nodes[0].healthy, 30)
         results = await asyncio.gather(*(collect(backend, chat("Hi [[stub delay=0.05 tag=back]]")) for _ in range(2)))
         assert all(isinstance(events[-2], Finish) and isinstance(events[0], Delta) for events in results)
     assert len(a.events(event="finish", tag="back")) == 1, "the returned node takes requests again"
-
-
-async def _until(predicate, within: float) -> bool:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while loop.time() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return bool(predicate())

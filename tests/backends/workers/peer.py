@@ -19,7 +19,7 @@ import zmq
 
 from backends.config import ReferenceBackendConfig
 from backends.workers import messages as m
-from backends.workers.worker import WorkerSpec
+from backends.workers.spec import WorkerSpec
 
 FACTORY = "backends.reference.backend:build_rank_engine"
 PARAMS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True, "top_logprobs": 0}

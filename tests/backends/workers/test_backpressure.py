@@ -21,8 +21,10 @@ from backends.engine.protocol import EngineOutput
 from backends.errors import BackendError
 from backends.reference.backend import build_rank_engine, load_tokenizer
 from backends.workers import messages as m
-from backends.workers.driver import DataParallelDriver, WorkerPlan
-from backends.workers.worker import RankContext, Worker, WorkerSpec
+from backends.workers.driver import DataParallelDriver
+from backends.workers.launch import WorkerPlan
+from backends.workers.rank_loop import Worker
+from backends.workers.spec import RankContext, WorkerSpec
 
 FACTORY = "backends.reference.backend:build_rank_engine"
 PARAMS = {"max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True, "top_logprobs": 0}

@@ -44,7 +44,7 @@ def test_front_end_processes_share_rank_workers_and_deepinfer_engines() -> None:
         deepinfer,  # the front-end supervisor hosts its engine in a rank worker (tests/gateway/test_scale_out.py)
         {**deepinfer, "data_parallel_size": 2, "worker_endpoints": ["tcp://a:5600", "tcp://b:5600"], "rank_keys": "/k"},
     ):
-        GatewayConfig(server={"workers": 2}, backends=[backend], models=models)
+        GatewayConfig(server={"runtime": {"workers": 2}}, backends=[backend], models=models)
 
 
 @pytest.mark.parametrize("kind", ["reference", "deepinfer"])

@@ -8,7 +8,7 @@ import signal
 import socket as socketlib
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -18,10 +18,12 @@ from backends.errors import BackendError
 from backends.interface import GenerateRequest, SamplingOptions
 from backends.reference.backend import build_reference_backend, load_tokenizer
 from backends.workers.backend import DataParallelBackend
-from backends.workers.driver import DataParallelDriver, WorkerPlan, free_port
-from backends.workers.worker import WorkerSpec
+from backends.workers.driver import DataParallelDriver
+from backends.workers.launch import WorkerPlan, free_port
+from backends.workers.spec import WorkerSpec
 
 from ...conftest import wait_until
+from ...waiting import until
 from .conftest import clock_of, driver_of, start_data_parallel_gateway, stop_gateway, worker_pids
 
 
@@ -155,17 +157,6 @@ def test_a_tcp_rank_whose_old_port_was_taken_comes_back_on_another() -> None:
             assert victim.dispatched == before + 1
     finally:
         stop_gateway(gateway)
-
-
-async def until(predicate: Callable[[], bool]) -> bool:
-    """``wait_until`` for tests whose driver runs on their own event loop: polls state, yielding to the loop."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30.0
-    while not predicate():
-        if loop.time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
 
 
 async def test_a_rank_whose_worker_cannot_be_spawned_is_retried_until_it_can(monkeypatch: pytest.MonkeyPatch) -> None:

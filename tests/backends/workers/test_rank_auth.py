@@ -20,8 +20,8 @@ import zmq
 import zmq.auth
 
 from backends.workers import messages as m
-from backends.workers.driver import free_port
 from backends.workers.keys import RANK_KEY, SECRET_SUFFIX
+from backends.workers.launch import free_port
 
 from ...conftest import stop_gateway
 from .conftest import driver_of, start_data_parallel_gateway

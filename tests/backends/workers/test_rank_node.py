@@ -14,8 +14,8 @@ import yaml
 import zmq
 
 from backends.config import ReferenceBackendConfig
-from backends.workers.driver import free_port
-from backends.workers.worker import WorkerSpec
+from backends.workers.launch import free_port
+from backends.workers.spec import WorkerSpec
 
 from ...conftest import stop_gateway, wait_until
 from .conftest import driver_of, start_data_parallel_gateway, worker_pids

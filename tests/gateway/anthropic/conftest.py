@@ -28,9 +28,11 @@ SMALL_CONTEXT = 512
 def messages_gateway() -> Iterator[RunningGateway]:
     config = GatewayConfig(
         server={
-            "api_keys": [KEY, {"key": LIMITED_KEY, "name": "limited", "requests_per_minute": LIMITED_REQUESTS}],
-            "thinking_signature_key": SIGNATURE_SECRET,
-            "admin_api_key": "sk-messages-admin",  # /metrics is the operator's once client keys are set
+            "auth": {
+                "api_keys": [KEY, {"key": LIMITED_KEY, "name": "limited", "requests_per_minute": LIMITED_REQUESTS}],
+                "thinking_signature_key": SIGNATURE_SECRET,
+                "admin_api_key": "sk-messages-admin",
+            }
         },
         backends=[
             {"name": "reference", "kind": "reference"},

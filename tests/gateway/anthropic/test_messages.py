@@ -431,7 +431,7 @@ def test_a_client_that_leaves_mid_stream_aborts_the_engine_request(timed_gateway
 
 def test_a_stream_past_its_deadline_ends_with_an_error_event() -> None:
     config = GatewayConfig(
-        server={"request_timeout": 1.0},
+        server={"streams": {"request_timeout": 1.0}},
         backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": 0.01}}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from ....waiting import wait_ready
 from .server import MODEL_NAME, HarnessNode, free_port
 from .venv import ensure_harness_venv
 
@@ -57,16 +57,8 @@ class HarnessProxy:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"LMDeploy proxy exited:\n{self._log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/nodes/status", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        if wait_ready(f"{self.url}/nodes/status", timeout=ready_timeout, alive=self._alive):
+            return self
         self.stop()
         raise RuntimeError(f"LMDeploy proxy not up after {ready_timeout} s:\n{self._log_tail()}")
 
@@ -94,6 +86,11 @@ class HarnessProxy:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=15)
+
+    def _alive(self) -> None:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(f"LMDeploy proxy exited:\n{self._log_tail()}")
 
     def _log_tail(self) -> str:
         try:

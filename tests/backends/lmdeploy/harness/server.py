@@ -7,13 +7,11 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from ....waiting import wait_ready
 from .model_dir import write_model_dir
 from .venv import ensure_harness_venv
 
@@ -89,19 +87,15 @@ class HarnessNode:
         log.close()
 
     def wait_ready(self, ready_timeout: float = 90.0) -> HarnessNode:
-        assert self.process is not None
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"LMDeploy node {self.name} exited:\n{self._log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        if wait_ready(f"{self.url}/health", timeout=ready_timeout, alive=self._alive):
+            return self
         self.kill()
         raise RuntimeError(f"LMDeploy node {self.name} not healthy after {ready_timeout} s:\n{self._log_tail()}")
+
+    def _alive(self) -> None:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(f"LMDeploy node {self.name} exited:\n{self._log_tail()}")
 
     def kill(self) -> None:
         """Dies at once, like a crashed node (connections are reset, the port refuses)."""
