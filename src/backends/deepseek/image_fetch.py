@@ -1,0 +1,189 @@
+"""Fetching the http(s) image URLs clients send: off unless the operator allowlists hosts, bounded when on.
+
+deepseek-recipe's ``ReqwestImageFetcher`` connects anywhere unless given a destination filter, and has a size limit
+(``with_max_bytes``) but no time limit: a host that accepts a connection and never answers holds the calling thread
+for as long as it keeps the connection open. So every URL fetch of a request goes through ``ImageUrlFetcher``:
+
+- with no allowed hosts (the default) a URL is refused at once, a 400 naming the part: only data URLs and base64
+  images are taken;
+- otherwise the fetcher is the library's, with ``ImageDestinations`` installed (the library consults it for the URL's
+  host and every redirect target, for every resolved address) and the byte limit;
+- the fetch runs on a small pool of threads of its own and the caller waits at most ``timeout`` seconds (queueing
+  for a thread included). A fetch past its time is abandoned, not stopped: the library cannot be interrupted, so
+  its thread stays in the fetch until the remote host answers or closes the connection. The pool bounds how many
+  threads that can hold (``threads``); while all are held, further fetches wait for one and fail at their own
+  time. A hostile allowlisted host can therefore use up URL fetching, never the process's threads.
+
+Every failure is a 400 naming the part (the ``param`` the caller gives): the URL is the client's choice and the
+model's backend is healthy, so it must neither count against the backend's circuit breaker nor invite an SDK's
+automatic retries (which a 5xx would); the ``code`` says which failure it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from deepseek_recipe import ImageError, ReqwestImageFetcher
+
+from backends.deepseek.image_destinations import ImageDestinations
+from backends.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+DestinationFilter = Callable[[str, str], bool]
+"""``fn(host, address) -> bool``: whether the fetcher may connect to ``address`` for ``host``."""
+
+URL_SCHEMES = frozenset({"http", "https"})
+
+ERROR_CODES = {
+    "DestinationRejected": "image_url_refused",
+    "ImageTooLarge": "image_too_large",
+    "FetchStatus": "image_url_status",
+}
+"""deepseek-recipe's ``ImageError.kind`` of a failed fetch as the client's error code (else ``image_url_fetch``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageUrlSettings:
+    """What the operator allows: hosts (empty: URLs off), bytes per image, seconds per fetch, fetch threads."""
+
+    allowed_hosts: tuple[str, ...] = ()
+    max_bytes: int = 20 * 1024 * 1024
+    timeout: float = 10.0
+    threads: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.allowed_hosts)
+
+
+class ImageUrlFetcher:
+    """Fetches one image URL for a request part, or refuses it (see the module docstring)."""
+
+    def __init__(self, settings: ImageUrlSettings) -> None:
+        self.settings = settings
+        self._allowlist = ImageDestinations(settings.allowed_hosts)
+        self._test_destinations: DestinationFilter | None = None
+        self._fetcher = self._library_fetcher()
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.abandoned = 0  # fetches given up at their deadline whose thread has not come back yet
+
+    def _library_fetcher(self) -> ReqwestImageFetcher:
+        def destinations(host: str, address: str) -> bool:
+            rule = self._test_destinations or self._allowlist
+            return rule(host, address)
+
+        return ReqwestImageFetcher.with_max_bytes(self.settings.max_bytes).with_destination_filter(destinations)
+
+    def allow_destinations_for_tests(self, destinations: DestinationFilter) -> None:
+        """Test-only hook: replaces the destination rule, so a test can let a fetch reach a listener on 127.0.0.1
+        (which the real rule never allows). Production code never calls it."""
+        self._test_destinations = destinations
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.enabled
+
+    def check(self, url: str, param: str) -> None:
+        """Refuses a URL this server will not fetch, before any work: URLs off, a scheme other than http(s), or a
+        host off the allowlist (the destination filter repeats the host check at every redirect)."""
+        if not self.enabled:
+            raise InvalidRequestError(
+                "image URLs are not enabled on this server; send the image as a data URL (data:image/png;base64,...)",
+                param=param,
+                code="image_url_disabled",
+            )
+        parts = urlsplit(url)
+        if parts.scheme.lower() not in URL_SCHEMES or not parts.hostname:
+            raise InvalidRequestError(
+                "an image URL must be an http(s) URL with a host, or a data URL", param=param, code="invalid_image_url"
+            )
+        if self._test_destinations is not None or self._allowlist.allows_host(parts.hostname):
+            return  # a test's rule decides at connect time
+        raise InvalidRequestError(
+            f"image URLs from host {parts.hostname!r} are not allowed on this server",
+            param=param,
+            code="image_url_refused",
+        )
+
+    def fetch(self, url: str, param: str) -> bytes:
+        """The image's bytes; blocks its caller (a preparation thread) for at most ``timeout`` seconds."""
+        self.check(url, param)
+        future = self._submit(url)
+        try:
+            return future.result(timeout=self.settings.timeout)
+        except FutureTimeout:
+            self._abandon(future, url)
+            raise self._timed_out(param) from None
+        except ImageError as exc:
+            raise fetch_error(exc, param) from None
+
+    async def fetch_async(self, url: str, param: str) -> bytes:
+        """``fetch`` for a caller on the event loop: the loop never blocks, the same pool and bound apply."""
+        self.check(url, param)
+        future = self._submit(url)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.settings.timeout)
+        except TimeoutError:
+            self._abandon(future, url)
+            raise self._timed_out(param) from None
+        except ImageError as exc:
+            raise fetch_error(exc, param) from None
+
+    def _submit(self, url: str) -> Future[bytes]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.settings.threads, thread_name_prefix="image-url-fetch")
+            return self._pool.submit(self._fetcher.fetch, url)
+
+    def _abandon(self, future: Future[bytes], url: str) -> None:
+        if future.cancel():  # still queued for a thread: it never starts
+            return
+        with self._lock:
+            self.abandoned += 1
+        future.add_done_callback(self._returned)
+        logger.warning(
+            "image URL fetch abandoned after %.1f s; its thread stays until the host lets go (%d held): %s",
+            self.settings.timeout,
+            self.abandoned,
+            url,
+        )
+
+    def _returned(self, _future: Future[bytes]) -> None:
+        with self._lock:
+            self.abandoned -= 1
+
+    def _timed_out(self, param: str) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"the image URL did not deliver the image within {self.settings.timeout:g} s",
+            param=param,
+            code="image_url_timeout",
+        )
+
+    def close(self) -> None:
+        """Stops taking fetches; abandoned threads end on their own (they are not waited for)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def fetch_error(exc: ImageError, param: str) -> InvalidRequestError:
+    """A library fetch failure as the client's 400 naming the part."""
+    code = ERROR_CODES.get(exc.kind, "image_url_fetch")
+    reasons = {
+        "image_url_refused": "the image URL, or a redirect it led to, points to an address this server does not fetch",
+        "image_too_large": "the image at the URL is larger than this server takes",
+        "image_url_status": "the image host answered with an error status",
+    }
+    return InvalidRequestError(
+        reasons.get(code, "the image could not be downloaded from its URL"), param=param, code=code
+    )
