@@ -24,14 +24,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from deepseek_recipe import ImageError, ReqwestImageFetcher
+from deepseek_recipe import BytesImageSource, ImageError, ImageSource, ReqwestImageFetcher
 
+from backends.config import ImageUrlsConfig
 from backends.deepseek.image_destinations import ImageDestinations
 from backends.errors import InvalidRequestError
 
@@ -62,6 +63,10 @@ class ImageUrlSettings:
     @property
     def enabled(self) -> bool:
         return bool(self.allowed_hosts)
+
+    @classmethod
+    def of(cls, config: ImageUrlsConfig) -> ImageUrlSettings:
+        return cls(tuple(config.allowed_hosts), config.max_bytes, config.fetch_timeout, config.fetch_threads)
 
 
 class ImageUrlFetcher:
@@ -138,6 +143,20 @@ class ImageUrlFetcher:
         except ImageError as exc:
             raise fetch_error(exc, param) from None
 
+    def fetched_sources(self, sources: Sequence[ImageSource]) -> list[ImageSource]:
+        """The sources with each URL fetched into a ``BytesImageSource`` (same detail and path), for an
+        ``ImageResolver`` built on ``refusing_fetcher``; data URLs and bytes pass as they are. Blocking: call it
+        on a preparation thread. A failure names the source's path."""
+        resolved: list[ImageSource] = []
+        for source in sources:
+            url = source.url
+            if source.kind != "url" or url is None:
+                resolved.append(source)
+                continue
+            data = self.fetch(url, source.path)
+            resolved.append(BytesImageSource(data, source.detail, path=source.path))
+        return resolved
+
     def _submit(self, url: str) -> Future[bytes]:
         with self._lock:
             if self._pool is None:
@@ -174,6 +193,17 @@ class ImageUrlFetcher:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def refusing_fetcher(max_bytes: int) -> ReqwestImageFetcher:
+    """The fetcher to build an ``ImageResolver`` with: it connects nowhere. URL sources are fetched before resolution,
+    by ``ImageUrlFetcher.fetched_sources`` (time-bounded, which the resolver's own fetch is not); one that reached
+    the resolver anyway would be refused, never fetched."""
+    return ReqwestImageFetcher.with_max_bytes(max_bytes).with_destination_filter(_nowhere)
+
+
+def _nowhere(host: str, address: str) -> bool:
+    return False
 
 
 def fetch_error(exc: ImageError, param: str) -> InvalidRequestError:

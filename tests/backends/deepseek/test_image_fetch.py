@@ -7,18 +7,40 @@ from __future__ import annotations
 import asyncio
 import http.server
 import socket
+import struct
 import threading
+import zlib
 from collections.abc import Iterator
 
 import pytest
+from deepseek_recipe import (
+    ImageError,
+    ImageQuota,
+    ImageResolver,
+    OpenCvImagePreprocessor,
+    UrlImageSource,
+)
+from pydantic import ValidationError
 
+from backends.config import ImageUrlsConfig
 from backends.deepseek.image_destinations import ImageDestinations
-from backends.deepseek.image_fetch import ImageUrlFetcher, ImageUrlSettings
+from backends.deepseek.image_fetch import ImageUrlFetcher, ImageUrlSettings, refusing_fetcher
 from backends.errors import InvalidRequestError
 
 from ...conftest import wait_until
 
 PART = "messages[0].content[1]"
+
+
+def png(width: int, height: int) -> bytes:
+    """A real PNG of one colour."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = b"".join(b"\x00" + b"\x80\x40\x20" * width for _ in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
 
 
 class HoldingListener:
@@ -72,10 +94,11 @@ class _ImageHostHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Location", self.server.redirect_to)
             self.end_headers()
             return
+        body = png(16, 8) if self.path == "/png" else b"\x89PNG" + b"x" * 4996
         self.send_response(200)
-        self.send_header("Content-Length", "5000")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(b"\x89PNG" + b"x" * 4996)
+        self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -208,3 +231,30 @@ def test_a_hung_fetch_from_the_event_loop_is_bounded(listener: HoldingListener) 
     listener.release()
     assert wait_until(lambda: fetcher.abandoned == 0)
     fetcher.close()
+
+
+def test_url_sources_are_fetched_before_the_resolver_which_fetches_nothing(listener: HoldingListener) -> None:
+    host = ImageHost()
+    fetcher = loopback_fetcher()
+    resolver = ImageResolver(refusing_fetcher(1 << 20), OpenCvImagePreprocessor())
+    source = UrlImageSource(f"http://127.0.0.1:{host.server_port}/png", "low", path=PART)
+    try:
+        (fetched,) = fetcher.fetched_sources([source])
+    finally:
+        host.shutdown()
+    assert (fetched.kind, fetched.detail, fetched.path) == ("bytes", "low", PART)
+    (image,) = resolver.resolve([fetched], ImageQuota()).images
+    assert image.width > 0 and image.height > 0
+    # A URL that reached the resolver itself is refused, not fetched.
+    with pytest.raises(ImageError) as caught:
+        resolver.resolve([UrlImageSource(f"http://127.0.0.1:{listener.port}/a.png")], ImageQuota())
+    assert caught.value.kind == "DestinationRejected" and listener.accepted == 0
+
+
+def test_the_configuration_turns_urls_on_only_with_hosts() -> None:
+    assert not ImageUrlSettings.of(ImageUrlsConfig()).enabled
+    on = ImageUrlSettings.of(ImageUrlsConfig(allowed_hosts=["images.example.com", "*.cdn.example.org"]))
+    assert on.enabled and on.allowed_hosts == ("images.example.com", "*.cdn.example.org")
+    for entry in ("https://images.example.com", "images.example.com:443", "images.example.com/x", "a.*.b", ""):
+        with pytest.raises(ValidationError):
+            ImageUrlsConfig(allowed_hosts=[entry])
