@@ -98,18 +98,18 @@ class ImageUrlFetcher:
         return self.settings.enabled
 
     def check(self, url: str, param: str) -> None:
-        """Refuses a URL this server will not fetch, before any work: URLs off, a scheme other than http(s), or a
+        """Refuses a URL this server will not fetch, before any work: a scheme other than http(s), URLs off, or a
         host off the allowlist (the destination filter repeats the host check at every redirect)."""
+        parts = urlsplit(url)
+        if parts.scheme.lower() not in URL_SCHEMES or not parts.hostname:
+            raise InvalidRequestError(
+                "an image URL must be an http(s) URL with a host, or a data URL", param=param, code="invalid_image_url"
+            )
         if not self.enabled:
             raise InvalidRequestError(
                 "image URLs are not enabled on this server; send the image as a data URL (data:image/png;base64,...)",
                 param=param,
                 code="image_url_disabled",
-            )
-        parts = urlsplit(url)
-        if parts.scheme.lower() not in URL_SCHEMES or not parts.hostname:
-            raise InvalidRequestError(
-                "an image URL must be an http(s) URL with a host, or a data URL", param=param, code="invalid_image_url"
             )
         if self._test_destinations is not None or self._allowlist.allows_host(parts.hostname):
             return  # a test's rule decides at connect time

@@ -43,6 +43,7 @@ class UpstreamPlan:
     seed: int | None
     chat: bool
     want_top_logprobs: int  # how many alternatives the client asked for (LMDeploy is asked for at least one)
+    vision: bool = False  # the messages carry images: only a node serving a vision model may take them
 
     def body_for(self, index: int, model: str) -> dict[str, Any]:
         body = dict(self.body)
@@ -64,7 +65,7 @@ class UpstreamPlan:
                 param="prompt",
             )
         body = {**self.body, "stream_options": {"include_usage": True}}
-        return UpstreamPlan(COMPLETIONS_PATH, body, self.seed, False, 0)
+        return UpstreamPlan(COMPLETIONS_PATH, body, self.seed, False, 0, self.vision)
 
     @property
     def completions(self) -> bool:
