@@ -21,7 +21,7 @@ _JPEG_FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 def pixel_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) as the header states them; None when the format is not recognised or the header is cut."""
     try:
-        if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        if data.startswith(b"\x89PNG\r\n\x1a\n") and data[12:16] == b"IHDR":
             width, height = struct.unpack(">II", data[16:24])
             return width, height
         if data[:6] in (b"GIF87a", b"GIF89a"):

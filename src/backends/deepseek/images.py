@@ -92,7 +92,8 @@ class ImageResolution:
         limit = self.settings.max_images
         if len(sources) > limit:
             raise InvalidRequestError(
-                f"this request has {len(sources)} images; at most {limit} are allowed in one request",
+                f"{sources[limit].path}: this request has {len(sources)} images; at most {limit} are allowed in one "
+                "request",
                 param=sources[limit].path,
                 code="too_many_images",
             )
@@ -101,7 +102,7 @@ class ImageResolution:
         """The image's declared encoded bytes, once its kind, bytes and pixels are within the limits."""
         if source.kind == "url" and not remote_urls_allowed(self.settings):
             raise InvalidRequestError(
-                "image URLs are not fetched by this gateway; send the image as a data URL "
+                f"{source.path}: image URLs are not fetched by this gateway; send the image as a data URL "
                 "(data:image/png;base64,...) or as base64",
                 param=source.path,
                 code="image_url_not_supported",
@@ -109,7 +110,8 @@ class ImageResolution:
         size, head = _declared(source)
         if size > self.settings.max_image_bytes:
             raise PayloadTooLargeError(
-                f"the image is about {size} bytes; at most {self.settings.max_image_bytes} are allowed per image",
+                f"{source.path}: the image is about {size} bytes; at most {self.settings.max_image_bytes} are "
+                "allowed per image",
                 param=source.path,
                 code="image_too_large",
             )
@@ -117,7 +119,8 @@ class ImageResolution:
         if dimensions is not None and dimensions[0] * dimensions[1] > self.settings.max_pixels:
             width, height = dimensions
             raise InvalidRequestError(
-                f"the image is {width}x{height} pixels; at most {self.settings.max_pixels} pixels are allowed",
+                f"{source.path}: the image is {width}x{height} pixels; at most {self.settings.max_pixels} pixels "
+                "are allowed",
                 param=source.path,
                 code="image_too_large",
             )
@@ -162,18 +165,20 @@ def _declared(source: recipe.ImageSource) -> tuple[int, bytes]:
 
 def _too_many_bytes(source: recipe.ImageSource, limit: int) -> PayloadTooLargeError:
     return PayloadTooLargeError(
-        f"the images of this request exceed {limit} bytes together (at this image)",
+        f"{source.path}: the images of this request exceed {limit} bytes together",
         param=source.path,
         code="images_too_large",
     )
 
 
 def _image_error(source: recipe.ImageSource, exc: recipe.ImageError) -> InvalidRequestError:
-    """The library's error as a 400 naming the part: its message without its own location prefix."""
+    """The library's error as a 400 naming the part: its message with the part's location in place of the
+    library's (``messages[0].content[1].image[0]: ...``)."""
     message = str(exc)
     prefix, sep, rest = message.partition(": ")
     if sep and prefix.startswith(source.path):
         message = rest
+    message = f"{source.path}: {message}"
     return InvalidRequestError(message, param=source.path, code=_ERROR_CODES.get(exc.kind, "invalid_image"))
 
 
