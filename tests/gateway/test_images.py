@@ -18,6 +18,7 @@ from backends.config import ImageSettings, ReferenceBackendConfig
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
 from backends.deepseek.images import ImageResolution
 from backends.engine.backend import EngineBackend
+from backends.interface import IMAGE_TOKENS_BOUND
 from backends.reference.engine import ReferenceEngine, ReferenceEngineArgs
 from gateway.admission import admitted
 from gateway.capabilities import unwrapped
@@ -329,3 +330,31 @@ def test_a_backend_without_the_images_feature_refuses_them_naming_the_part(
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "messages[0].content[1]"
     assert "not supported" in answer.json()["error"]["message"]
+
+
+# ---- budgets --------------------------------------------------------------------------------------------------
+
+
+def test_a_budget_reserves_an_image_at_its_token_bound_not_its_base64_size() -> None:
+    """A 270 KB image is 360 KB of base64, 90,000 tokens at the body estimate's 4 bytes a token; reserved at the
+    most an image can take (IMAGE_TOKENS_BOUND), it leaves the rest of the key's budget to other requests."""
+    config = GatewayConfig(
+        server={"api_keys": [{"key": "sk-images", "name": "images", "tokens_per_minute": 100_000}]},
+        backends=[{"name": "reference", "kind": "reference"}],
+        models=[{"name": MODEL, "backends": ["reference"]}],
+    )
+    running = start_gateway(config, budget_clock=lambda: 0.0)  # a frozen clock: the budget does not refill
+    try:
+        body = {"model": MODEL, "messages": [image_message(noisy_png(300, 300))], "max_tokens": 4}
+        answer = httpx.post(
+            f"{running.base_url}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": "Bearer sk-images"},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        reserved = 100_000 - int(answer.headers["x-ratelimit-remaining-tokens"])
+        assert IMAGE_TOKENS_BOUND <= reserved <= IMAGE_TOKENS_BOUND + 200
+        assert answer.json()["usage"]["prompt_tokens"] <= IMAGE_TOKENS_BOUND + 50
+    finally:
+        stop_gateway(running)

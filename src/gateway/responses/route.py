@@ -114,7 +114,9 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     try:
         limits = state.limits
         assert limits is not None
-        async with admitted(request, limits, body.max_output_tokens, prompt_tokens=history_tokens) as reservation:
+        async with admitted(
+            request, limits, body.max_output_tokens, prompt_tokens=history_tokens, messages=messages
+        ) as reservation:
             generate = GenerateRequest(
                 request_id=request.state.request_id,
                 model=model,
