@@ -96,8 +96,31 @@ class ImageUrlsConfig(_Strict):
         return self
 
 
+class ImageSettings(_Strict):
+    """Image inputs of V4.1 chats: what one request may send and how many images a process decodes at once.
+
+    Images come as data URLs or base64; ``http(s)`` URLs only from the hosts ``image_urls`` allows.
+    """
+
+    max_images: int = Field(8, ge=0, le=1024, description="images in one request; 0: images refused")
+    max_image_bytes: int = Field(
+        10 * 1024 * 1024, ge=1, description="encoded bytes of one image (after base64 decoding); beyond: 413"
+    )
+    max_total_bytes: int = Field(
+        20 * 1024 * 1024, ge=1, description="encoded bytes of all images of one request; beyond: 413"
+    )
+    max_pixels: int = Field(
+        7680 * 4320, ge=1, description="width x height of one image as sent (before resizing); beyond: 400"
+    )
+    max_concurrent_decodes: int = Field(
+        4, ge=1, le=1024, description="images this backend decodes and resizes at once in one process"
+    )
+
+
 class _Preparation(AdmissionConfig):
     """How an in-process engine backend prepares prompts (docs: README, Security and limits)."""
+
+    images: ImageSettings = Field(default_factory=ImageSettings, description="image inputs (README, Images)")
 
     prepare_threads: int = Field(
         2,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from backends.config import DeepInferBackendConfig
 from backends.deepinfer.engine import DeepInferEngine
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
+from backends.deepseek.images import ImageResolution
 from backends.engine.backend import EngineBackend
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ def build_deepinfer_backend(config: DeepInferBackendConfig) -> EngineBackend:
         construct,
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,
+        images=ImageResolution(config.images),
     )
 
 
@@ -67,4 +69,5 @@ def _build_data_parallel_backend(config: DeepInferBackendConfig) -> EngineBacken
         lambda: load_tokenizer(config),
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,
+        images=ImageResolution(config.images),
     )

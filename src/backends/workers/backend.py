@@ -18,7 +18,7 @@ from prometheus_client.metrics_core import Metric
 from tokenizers import Tokenizer
 
 from backends.engine.backend import ChatTemplate, EngineBackend
-from backends.engine.prompts import DEFAULT_PREPARE_THREADS
+from backends.engine.prompts import DEFAULT_PREPARE_THREADS, ImageResolver
 from backends.engine.protocol import Engine
 from backends.workers.driver import DataParallelDriver, WorkerPlan
 
@@ -56,8 +56,9 @@ class DataParallelBackend(EngineBackend):
         chat_template: ChatTemplate,
         *,
         prepare_threads: int = DEFAULT_PREPARE_THREADS,
+        images: ImageResolver | None = None,
     ) -> None:
-        super().__init__(name, kind, _no_local_engine, chat_template, prepare_threads=prepare_threads)
+        super().__init__(name, kind, _no_local_engine, chat_template, prepare_threads=prepare_threads, images=images)
         self.driver = DataParallelDriver(name, plan, load_tokenizer)
 
     def readiness(self) -> tuple[bool, str]:

@@ -92,7 +92,7 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
             f"No function call found for function_call_output with call_id '{call_id}'.",
             param=f"input[{position}]",
         )
-    messages = chat_messages(body.instructions, history + body.items)
+    messages = chat_messages(body.instructions, history + body.items, len(history))
     if len(messages) > server.max_messages:
         raise APIError(400, f"at most {server.max_messages} messages are allowed.", param="input")
     if body.tools and len(body.tools) > server.max_tools:
@@ -114,7 +114,9 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     try:
         limits = state.limits
         assert limits is not None
-        async with admitted(request, limits, body.max_output_tokens, prompt_tokens=history_tokens) as reservation:
+        async with admitted(
+            request, limits, body.max_output_tokens, prompt_tokens=history_tokens, messages=messages
+        ) as reservation:
             generate = GenerateRequest(
                 request_id=request.state.request_id,
                 model=model,

@@ -134,11 +134,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     label = request_label(request)
     tier = request_service_tier(request, state.key_tiers.tier_for(label, body.service_tier))
     limit = body.output_limit()
-    async with admitted(request, _limits(state), limit * body.n if limit is not None else None) as reservation:
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    reserve = limit * body.n if limit is not None else None
+    async with admitted(request, _limits(state), reserve, messages=messages) as reservation:
         generate = GenerateRequest(
             request_id=request.state.request_id,
             model=model,
-            messages=[m.model_dump(exclude_none=True) for m in body.messages],
+            messages=messages,
             sampling=body.sampling_options(
                 max_tokens=body.output_limit(), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0
             ),

@@ -88,7 +88,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         service_tier=generate.service_tier,
     )
     try:
-        async with admitted(request, _limits(state), body.max_tokens) as reservation:
+        async with admitted(request, _limits(state), body.max_tokens, messages=generate.messages) as reservation:
             events = state.router.route(model, generate, request.headers, lambda b: b.generate(generate))
             return await _respond(
                 request,
