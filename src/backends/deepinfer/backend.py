@@ -33,7 +33,7 @@ def build_deepinfer_backend(config: DeepInferBackendConfig) -> EngineBackend:
         construct,
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,
-        images=ImageResolution(config.images),
+        images=ImageResolution(config.images, config.image_urls),
     )
 
 
@@ -69,5 +69,5 @@ def _build_data_parallel_backend(config: DeepInferBackendConfig) -> EngineBacken
         lambda: load_tokenizer(config),
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,
-        images=ImageResolution(config.images),
+        images=ImageResolution(config.images, config.image_urls),
     )

@@ -102,21 +102,18 @@ class ImageUrlFetcher:
         host off the allowlist (the destination filter repeats the host check at every redirect)."""
         parts = urlsplit(url)
         if parts.scheme.lower() not in URL_SCHEMES or not parts.hostname:
-            raise InvalidRequestError(
-                "an image URL must be an http(s) URL with a host, or a data URL", param=param, code="invalid_image_url"
-            )
+            raise refusal(param, "an image URL must be an http(s) URL with a host, or a data URL", "invalid_image_url")
         if not self.enabled:
-            raise InvalidRequestError(
-                "image URLs are not enabled on this server; send the image as a data URL (data:image/png;base64,...)",
-                param=param,
-                code="image_url_disabled",
+            raise refusal(
+                param,
+                "image URLs are not enabled on this server; send the image as a data URL (data:image/png;base64,...) "
+                "or as base64",
+                "image_url_disabled",
             )
         if self._test_destinations is not None or self._allowlist.allows_host(parts.hostname):
             return  # a test's rule decides at connect time
-        raise InvalidRequestError(
-            f"image URLs from host {parts.hostname!r} are not allowed on this server",
-            param=param,
-            code="image_url_refused",
+        raise refusal(
+            param, f"image URLs from host {parts.hostname!r} are not allowed on this server", "image_url_refused"
         )
 
     def fetch(self, url: str, param: str) -> bytes:
@@ -181,11 +178,8 @@ class ImageUrlFetcher:
             self.abandoned -= 1
 
     def _timed_out(self, param: str) -> InvalidRequestError:
-        return InvalidRequestError(
-            f"the image URL did not deliver the image within {self.settings.timeout:g} s",
-            param=param,
-            code="image_url_timeout",
-        )
+        message = f"the image URL did not deliver the image within {self.settings.timeout:g} s"
+        return refusal(param, message, "image_url_timeout")
 
     def close(self) -> None:
         """Stops taking fetches; abandoned threads end on their own (they are not waited for)."""
@@ -214,6 +208,9 @@ def fetch_error(exc: ImageError, param: str) -> InvalidRequestError:
         "image_too_large": "the image at the URL is larger than this server takes",
         "image_url_status": "the image host answered with an error status",
     }
-    return InvalidRequestError(
-        reasons.get(code, "the image could not be downloaded from its URL"), param=param, code=code
-    )
+    return refusal(param, reasons.get(code, "the image could not be downloaded from its URL"), code)
+
+
+def refusal(param: str, message: str, code: str) -> InvalidRequestError:
+    """A 400 naming the part, in its message too (Anthropic's error bodies carry no ``param``)."""
+    return InvalidRequestError(f"{param}: {message}" if param else message, param=param, code=code)

@@ -1,8 +1,9 @@
 """A V4.1 chat's images, resolved by deepseek-recipe into what the engine takes, within the operator's limits.
 
 ``build_resolver`` is the one place the library's ``ImageResolver`` (fetcher plus OpenCV preprocessor) is made from
-``ImageSettings``; where ``http(s)`` fetching is configured, its fetcher and destination filter belong there too.
-Until then ``remote_urls_allowed`` says no and a URL source is refused with a 400 before any connection.
+``ImageSettings``. Its fetcher connects nowhere: an ``http(s)`` URL source is fetched before, by the backend's
+``ImageUrlFetcher`` (``image_fetch.py``: off unless the operator allowlists hosts, then filtered at every redirect
+and bounded in bytes and time), and reaches the resolver as bytes, under the same limits as any other image.
 
 ``ImageResolution`` runs on the preparation threads (decoding and resizing take milliseconds to seconds of CPU,
 never for the event loop): it checks each image against the request's limits as early as it can (the count first,
@@ -21,7 +22,8 @@ from typing import Any, NamedTuple
 
 import deepseek_recipe as recipe
 
-from backends.config import ImageSettings
+from backends.config import ImageSettings, ImageUrlsConfig
+from backends.deepseek.image_fetch import ImageUrlFetcher, ImageUrlSettings, refusing_fetcher
 from backends.deepseek.image_headers import HEADER_BYTES, pixel_size
 from backends.errors import InvalidRequestError, PayloadTooLargeError
 
@@ -38,16 +40,20 @@ class ResolvedImages(NamedTuple):
         return {"image_bytes": self.image_bytes, "image_sizes": self.image_sizes}
 
 
-def remote_urls_allowed(settings: ImageSettings) -> bool:
-    """Whether ``http(s)`` image URLs may be fetched; not yet: data URLs and base64 only."""
-    del settings
-    return False
-
-
 def build_fetcher(settings: ImageSettings) -> recipe.ReqwestImageFetcher:
-    """The library's fetcher for URL sources, bounded per image. Without a destination filter it would connect
-    anywhere, so it is only reached for URLs when ``remote_urls_allowed`` (which installs the filter here)."""
-    return recipe.ReqwestImageFetcher.with_max_bytes(settings.max_image_bytes)
+    """The resolver's own fetcher: it connects nowhere (URL sources arrive as bytes, see the module docstring)."""
+    return refusing_fetcher(settings.max_image_bytes)
+
+
+def build_url_fetcher(settings: ImageSettings, urls: ImageUrlsConfig | None) -> ImageUrlFetcher:
+    """The fetcher of a backend's ``http(s)`` image URLs (none allowed without ``urls``), no image over the
+    per-image byte limit."""
+    allowed = ImageUrlSettings.of(urls) if urls is not None else ImageUrlSettings()
+    return ImageUrlFetcher(
+        ImageUrlSettings(
+            allowed.allowed_hosts, min(allowed.max_bytes, settings.max_image_bytes), allowed.timeout, allowed.threads
+        )
+    )
 
 
 def build_resolver(settings: ImageSettings) -> recipe.ImageResolver:
@@ -61,12 +67,15 @@ class ImageResolution:
     def __init__(
         self,
         settings: ImageSettings,
+        urls: ImageUrlsConfig | None = None,
         *,
         resolver: recipe.ImageResolver | None = None,
         before_decode: Callable[[recipe.ImageSource], None] | None = None,
     ) -> None:
-        """``before_decode`` (tests) runs on the pool thread holding a decode permit, before each image decodes."""
+        """``urls``: the hosts image URLs may come from (none without it); ``before_decode`` (tests) runs on the
+        pool thread holding a decode permit, before each image decodes."""
         self.settings = settings
+        self.urls = build_url_fetcher(settings, urls)
         self._resolver = resolver if resolver is not None else build_resolver(settings)
         self._permits = threading.BoundedSemaphore(settings.max_concurrent_decodes)
         self._before_decode = before_decode
@@ -76,6 +85,7 @@ class ImageResolution:
     def resolve(self, sources: Sequence[recipe.ImageSource]) -> ResolvedImages:
         """The images of ``sources`` (one request's, in placeholder order), or the first limit one breaks."""
         self._check_count(sources)
+        sources = self.urls.fetched_sources(sources)  # URLs as bytes, or the 400 naming the part
         declared = 0
         for source in sources:
             declared += self._check_before_decoding(source)
@@ -100,13 +110,6 @@ class ImageResolution:
 
     def _check_before_decoding(self, source: recipe.ImageSource) -> int:
         """The image's declared encoded bytes, once its kind, bytes and pixels are within the limits."""
-        if source.kind == "url" and not remote_urls_allowed(self.settings):
-            raise InvalidRequestError(
-                f"{source.path}: image URLs are not fetched by this gateway; send the image as a data URL "
-                "(data:image/png;base64,...) or as base64",
-                param=source.path,
-                code="image_url_not_supported",
-            )
         size, head = _declared(source)
         if size > self.settings.max_image_bytes:
             raise PayloadTooLargeError(

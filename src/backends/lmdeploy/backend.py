@@ -152,9 +152,9 @@ class LMDeployBackend:
 
     async def _with_node_images(self, request: GenerateRequest, positions: list[Position]) -> GenerateRequest:
         """The request with its images as a vision node may receive them (``images.py``), or a 400 without one."""
-        if not self.pool.serves_vision():
-            raise refuse_images(positions[0])
         assert request.messages is not None
+        if not self.pool.serves_vision():
+            raise refuse_images(request.messages, positions[0])
         return dataclasses.replace(request, messages=await node_messages(request.messages, positions, self.images))
 
     async def _merged(

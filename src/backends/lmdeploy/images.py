@@ -24,7 +24,7 @@ import binascii
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from backends.deepseek.image_fetch import ImageUrlFetcher
+from backends.deepseek.image_fetch import ImageUrlFetcher, refusal
 from backends.errors import InvalidRequestError
 
 IMAGE_PART = "image_url"
@@ -50,16 +50,15 @@ def image_positions(messages: list[dict[str, Any]]) -> list[Position]:
     return found
 
 
-def param_of(position: Position) -> str:
-    return f"messages[{position[0]}].content[{position[1]}]"
+def path_of(messages: list[dict[str, Any]], position: Position) -> str:
+    """The part's place in the client's request: the ``path`` a translated part carries, else its chat place."""
+    path = messages[position[0]]["content"][position[1]].get("path")
+    return path if isinstance(path, str) else f"messages[{position[0]}].content[{position[1]}]"
 
 
-def refuse_images(position: Position) -> InvalidRequestError:
-    return InvalidRequestError(
-        "images are not supported by this model (its LMDeploy nodes serve a text-only model); send text",
-        param=param_of(position),
-        code="unsupported_parameter",
-    )
+def refuse_images(messages: list[dict[str, Any]], position: Position) -> InvalidRequestError:
+    message = "image inputs are not supported by this model (its LMDeploy nodes serve a text-only model); send text"
+    return refusal(path_of(messages, position), message, "unsupported_value")
 
 
 async def node_messages(
@@ -76,7 +75,7 @@ async def node_messages(
 
 
 async def _node_url(messages: list[dict[str, Any]], position: Position, fetcher: ImageUrlFetcher) -> str:
-    param = param_of(position)
+    param = path_of(messages, position)
     url = image_url(messages[position[0]]["content"][position[1]], param)
     if url[:5].lower() == "data:":
         return await asyncio.to_thread(base64_data_url, url, param)  # decoding a large payload: off the event loop
@@ -89,7 +88,7 @@ def image_url(part: dict[str, Any], param: str) -> str:
     value = part.get(IMAGE_PART)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise InvalidRequestError("an image_url part needs a URL", param=f"{param}.image_url.url")
+        raise refusal(f"{param}.image_url.url", "an image_url part needs a URL", "invalid_image_url")
     return url
 
 
@@ -99,16 +98,12 @@ def base64_data_url(url: str, param: str) -> str:
     kind, *parameters = header.split(";")
     kind = kind.strip().lower()
     if not comma or not kind.startswith("image/"):
-        raise InvalidRequestError(
-            "an image data URL must read data:image/<type>;base64,<data>", param=param, code="invalid_image_url"
-        )
+        raise refusal(param, "an image data URL must read data:image/<type>;base64,<data>", "invalid_image_url")
     if parameters and parameters[-1].strip().lower() == "base64":
         try:
             base64.b64decode(payload, validate=True)
         except binascii.Error:
-            raise InvalidRequestError(
-                "the image data URL's base64 payload does not decode", param=param, code="invalid_image_url"
-            ) from None
+            raise refusal(param, "the image data URL's base64 payload does not decode", "invalid_image_url") from None
         return f"data:{kind};base64,{payload}"
     return f"data:{kind};base64,{base64.b64encode(unquote_to_bytes(payload)).decode()}"
 

@@ -30,7 +30,7 @@ def build_reference_backend(config: ReferenceBackendConfig) -> EngineBackend:
         construct,
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,
-        images=ImageResolution(config.images),
+        images=ImageResolution(config.images, config.image_urls),
     )
 
 
@@ -80,7 +80,7 @@ def _build_data_parallel_backend(config: ReferenceBackendConfig) -> EngineBacken
         load_tokenizer,
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,
-        images=ImageResolution(config.images),
+        images=ImageResolution(config.images, config.image_urls),
     )
 
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import socket
-import struct
 import threading
-import zlib
 from collections.abc import Iterator
 
 import pytest
@@ -28,19 +26,9 @@ from backends.deepseek.image_fetch import ImageUrlFetcher, ImageUrlSettings, ref
 from backends.errors import InvalidRequestError
 
 from ...conftest import wait_until
+from ...image_files import png
 
 PART = "messages[0].content[1]"
-
-
-def png(width: int, height: int) -> bytes:
-    """A real PNG of one colour."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    rows = b"".join(b"\x00" + b"\x80\x40\x20" * width for _ in range(height))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
 
 
 class HoldingListener:

@@ -21,7 +21,8 @@ from backends.errors import InvalidRequestError
 from backends.interface import Delta, GenerateRequest
 from backends.lmdeploy.images import base64_data_url, node_messages
 
-from ..deepseek.test_image_fetch import HoldingListener, ImageHost, png
+from ...image_files import png
+from ..deepseek.test_image_fetch import HoldingListener, ImageHost
 from .conftest import PUBLIC_MODEL, running_backend
 from .harness.server import MODEL_NAME, HarnessNode
 from .harness.venv import ensure_harness_venv
