@@ -62,7 +62,8 @@ class AdmissionConfig(_Strict):
     )
 
 
-_HOST_ENTRY = re.compile(r"^(\*\.)?[A-Za-z0-9._-]+$")
+_HOST_ENTRY = re.compile(r"^((\*\.)?[A-Za-z0-9._-]+|\[?[0-9A-Fa-f:.]+\]?)$")
+"""An allowlist entry: a host name, ``*.`` and a domain, or an address (IPv6 bracketed or not)."""
 
 
 class ImageUrlsConfig(_Strict):
