@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import openai
 import pytest
 
 from backends.deepseek.image_fetch import ImageUrlFetcher, ImageUrlSettings
@@ -21,6 +22,7 @@ from backends.errors import InvalidRequestError
 from backends.interface import Delta, GenerateRequest
 from backends.lmdeploy.images import base64_data_url, node_messages
 
+from ...conftest import RunningGateway
 from ...image_files import png
 from ..deepseek.test_image_fetch import HoldingListener, ImageHost
 from .conftest import PUBLIC_MODEL, running_backend
@@ -134,6 +136,15 @@ async def test_a_text_only_node_is_recognised_and_images_keep_the_clear_400(node
         assert error.param == PART and "not supported by this model" in error.message
         text = GenerateRequest("text", PUBLIC_MODEL, messages=[{"role": "user", "content": "Hello there"}])
         assert await answer(backend, text) == "Hello there"  # text is served as before
+
+
+def test_through_the_gateway_a_text_only_node_keeps_the_clear_400(lm_gateway: RunningGateway) -> None:
+    client = openai.OpenAI(base_url=f"{lm_gateway.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    messages: Any = image_chat(DATA_URL).messages
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=PUBLIC_MODEL, messages=messages, max_tokens=4)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["param"] == PART and "not supported by this model" in body["message"]
 
 
 async def test_images_go_only_to_the_node_that_serves_a_vision_model(
