@@ -213,27 +213,39 @@ BROKEN = b"\x89PNG\r\n\x1a\nthis is not an image"
 
 
 @pytest.mark.parametrize(
-    ("model", "content", "status", "param"),
+    ("model", "content", "status", "param", "code"),
     [
-        pytest.param(MODEL, [data_url(BROKEN)], 400, "messages[0].content[1]", id="broken"),
-        pytest.param(MODEL, ["http://127.0.0.1:9/cat.png"], 400, "messages[0].content[1]", id="http-url"),
-        pytest.param(STRICT, [data_url(RED)] * 3, 400, "messages[0].content[3]", id="too-many"),
-        pytest.param(STRICT, [data_url(noisy_png(300, 150))], 413, "messages[0].content[1]", id="over-bytes"),
+        pytest.param(MODEL, [data_url(BROKEN)], 400, "messages[0].content[1]", "invalid_image", id="broken"),
         pytest.param(
-            STRICT, [data_url(noisy_png(120, 100, n)) for n in (1, 2)], 413, "messages[0].content[2]", id="over-total"
+            MODEL, ["http://127.0.0.1:9/cat.png"], 400, "messages[0].content[1]", "image_url_not_supported", id="url"
         ),
-        pytest.param(STRICT, [data_url(declared_png(5000, 5000))], 400, "messages[0].content[1]", id="over-pixels"),
+        pytest.param(STRICT, [data_url(RED)] * 3, 400, "messages[0].content[3]", "too_many_images", id="too-many"),
+        pytest.param(
+            STRICT, [data_url(noisy_png(300, 150))], 413, "messages[0].content[1]", "image_too_large", id="over-bytes"
+        ),
+        pytest.param(
+            STRICT,
+            [data_url(noisy_png(120, 100, n)) for n in (1, 2)],
+            413,
+            "messages[0].content[2]",
+            "images_too_large",
+            id="over-total",
+        ),
+        pytest.param(
+            STRICT, [data_url(declared_png(5000, 5000))], 400, "messages[0].content[1]", "image_too_large", id="pixels"
+        ),
     ],
 )
 def test_a_bad_image_is_refused_naming_its_part(
-    http: httpx.Client, model: str, content: list[str], status: int, param: str
+    http: httpx.Client, model: str, content: list[str], status: int, param: str, code: str
 ) -> None:
     parts = [{"type": "text", "text": QUESTION}, *({"type": "image_url", "image_url": {"url": u}} for u in content)]
     answer = http.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": parts}]})
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
-    assert error["param"] == param
+    assert (error["param"], error["code"]) == (param, code)
     assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{param}: ")
 
 
 def test_an_image_outside_a_user_message_is_refused(http: httpx.Client) -> None:

@@ -9,6 +9,9 @@ the library's model cannot say (docs/deepseek.md lists each with its reason):
 - ``developer`` messages become system messages (the library has no ``developer`` role);
 - a message's ``reasoning`` (vLLM's name) is read as its ``reasoning_content``;
 - a null tool result is an empty one (the library's converter refuses null content);
+- a user message's ``image_url`` parts become the library's placeholder and image sources, as its converter
+  makes them, each source's ``path`` naming the part in the client's own request (a part translated from
+  Responses or Messages brings its ``path``), so the library's image errors name it;
 - the response-format extensions: ``regex`` is the library's own ``response_regex``; ``ebnf`` has no prompt
   section (the grammar is enforced by the engine only).
 

@@ -12,10 +12,14 @@ the pool thread and reported to the trace from the event loop, as one stage ``en
 to result) whose attributes split it: the wait for a pool thread, rendering, tokenizing, compiling (one span
 rather than four: the SDK's cost is per span).
 
-A small prompt with nothing to compile (``INLINE_PROMPT_CHARS``, no tools, no ``response_format``, not traced) is
-prepared on the event loop instead: rendering and tokenizing a few hundred characters takes tens of microseconds,
-less than the hand-off to a pool thread and back (a queue, two thread wake-ups, the loop's self-pipe), which was
-about a tenth of the front end's CPU per request on short chats (issue 23).
+A chat's images (``ChatPrompt.image_sources``) are resolved on the same job by the backend's ``ImageResolver``
+(decoding and resizing an image takes milliseconds to seconds of CPU), and the prompt's length for the context
+check is its ids plus the tokens the images add beyond their placeholders.
+
+A small prompt with nothing to compile or decode (``INLINE_PROMPT_CHARS``, no tools, no ``response_format``, no
+images, not traced) is prepared on the event loop instead: rendering and tokenizing a few hundred characters takes
+tens of microseconds, less than the hand-off to a pool thread and back (a queue, two thread wake-ups, the loop's
+self-pipe), which was about a tenth of the front end's CPU per request on short chats (issue 23).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ DeepInfer's abort rule (aborted while waiting: one synthetic ``abort`` output; a
 An optional timing model (seconds per prefill token, per decode step, tokens accepted per step) makes it pace
 like a GPU deployment for load tests. Each step samples the whole batch with a few numpy calls.
 
+Images (``multi_modal_data``) are taken as DeepInfer takes them: each placeholder expands into the image's tokens
+before the ids are checked (``images``), and the images' bytes seed the request's sampling.
+
 This module is the ``LLMEngine`` surface and FIFO admission; the request state is in ``sequence``, the running
 batch in ``batch``, sampling and finish rules in ``decoder``, the timing model in ``timing``, and prompt logprobs
 in ``prompt_scoring``.
