@@ -217,7 +217,7 @@ BROKEN = b"\x89PNG\r\n\x1a\nthis is not an image"
     [
         pytest.param(MODEL, [data_url(BROKEN)], 400, "messages[0].content[1]", "invalid_image", id="broken"),
         pytest.param(
-            MODEL, ["http://127.0.0.1:9/cat.png"], 400, "messages[0].content[1]", "image_url_not_supported", id="url"
+            MODEL, ["http://127.0.0.1:9/cat.png"], 400, "messages[0].content[1]", "image_url_disabled", id="url"
         ),
         pytest.param(STRICT, [data_url(RED)] * 3, 400, "messages[0].content[3]", "too_many_images", id="too-many"),
         pytest.param(
