@@ -77,6 +77,10 @@ def test_image_urls_are_off_by_default_on_every_api(url_gateway: RunningGateway,
     with pytest.raises(anthropic.BadRequestError) as caught:
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [block]}])
     assert "messages[0].content[0]" in caught.value.message and "not enabled" in caught.value.message
+    part = {"type": "input_image", "image_url": url}
+    with pytest.raises(openai.BadRequestError) as responses:
+        sdk(url_gateway).responses.create(model=MODEL, input=[{"role": "user", "content": [part]}])
+    assert isinstance(responses.value.body, dict) and responses.value.body["param"] == "input[0].content[0]"
     assert listener.accepted == 0
 
 
