@@ -100,8 +100,12 @@ class ImageUrlFetcher:
     def check(self, url: str, param: str) -> None:
         """Refuses a URL this server will not fetch, before any work: a scheme other than http(s), URLs off, or a
         host off the allowlist (the destination filter repeats the host check at every redirect)."""
-        parts = urlsplit(url)
-        if parts.scheme.lower() not in URL_SCHEMES or not parts.hostname:
+        try:
+            parts = urlsplit(url)
+            host = parts.hostname
+        except ValueError:  # e.g. an unclosed IPv6 bracket
+            host = None
+        if host is None or parts.scheme.lower() not in URL_SCHEMES:
             raise refusal(param, "an image URL must be an http(s) URL with a host, or a data URL", "invalid_image_url")
         if not self.enabled:
             raise refusal(
@@ -110,11 +114,9 @@ class ImageUrlFetcher:
                 "or as base64",
                 "image_url_disabled",
             )
-        if self._test_destinations is not None or self._allowlist.allows_host(parts.hostname):
+        if self._test_destinations is not None or self._allowlist.allows_host(host):
             return  # a test's rule decides at connect time
-        raise refusal(
-            param, f"image URLs from host {parts.hostname!r} are not allowed on this server", "image_url_refused"
-        )
+        raise refusal(param, f"image URLs from host {host!r} are not allowed on this server", "image_url_refused")
 
     def fetch(self, url: str, param: str) -> bytes:
         """The image's bytes; blocks its caller (a preparation thread) for at most ``timeout`` seconds."""
@@ -137,6 +139,9 @@ class ImageUrlFetcher:
         except TimeoutError:
             self._abandon(future, url)
             raise self._timed_out(param) from None
+        except asyncio.CancelledError:  # the client left: the fetch's thread is held all the same
+            self._abandon(future, url)
+            raise
         except ImageError as exc:
             raise fetch_error(exc, param) from None
 
@@ -167,9 +172,10 @@ class ImageUrlFetcher:
             self.abandoned += 1
         future.add_done_callback(self._returned)
         logger.warning(
-            "image URL fetch abandoned after %.1f s; its thread stays until the host lets go (%d held): %s",
-            self.settings.timeout,
+            "image URL fetch abandoned (its time is up, or its client left); its thread stays until the host lets "
+            "go (%d of %d held): %s",
             self.abandoned,
+            self.settings.threads,
             url,
         )
 

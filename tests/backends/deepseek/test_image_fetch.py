@@ -137,6 +137,7 @@ def test_hosts_off_the_allowlist_and_other_schemes_are_refused() -> None:
     assert refused(fetcher, "http://evil.example.com/a.png").code == "image_url_refused"
     assert refused(fetcher, "file:///etc/passwd").code == "invalid_image_url"
     assert refused(fetcher, "ftp://images.example.com/a.png").code == "invalid_image_url"
+    assert refused(fetcher, "http://[::1/a.png").code == "invalid_image_url"  # urlsplit's ValueError, not a 500
 
 
 def redirecting_fetcher(rule: ImageDestinations | None, calls: list[tuple[str, str]]) -> ImageUrlFetcher:
