@@ -179,6 +179,16 @@ def test_messages_take_base64_image_blocks_streamed_and_not(
         assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == expected
 
 
+def test_count_tokens_counts_an_images_tokens(claude: anthropic.Anthropic) -> None:
+    source = {"type": "base64", "media_type": "image/png", "data": b64(RED)}
+    messages: Any = [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image", "source": source}]}
+    ]
+    counted = claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+    usage = claude.messages.create(model=MODEL, max_tokens=1, messages=messages).usage
+    assert counted == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 def _chat_image(url: str, detail: str | None) -> dict[str, Any]:
     image: dict[str, Any] = {"url": url} if detail is None else {"url": url, "detail": detail}
     return {"type": "image_url", "image_url": image}
