@@ -179,6 +179,16 @@ def test_messages_take_base64_image_blocks_streamed_and_not(
         assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == expected
 
 
+def test_count_tokens_counts_an_images_tokens(claude: anthropic.Anthropic) -> None:
+    source = {"type": "base64", "media_type": "image/png", "data": b64(RED)}
+    messages: Any = [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image", "source": source}]}
+    ]
+    counted = claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+    usage = claude.messages.create(model=MODEL, max_tokens=1, messages=messages).usage
+    assert counted == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 def _chat_image(url: str, detail: str | None) -> dict[str, Any]:
     image: dict[str, Any] = {"url": url} if detail is None else {"url": url, "detail": detail}
     return {"type": "image_url", "image_url": image}
@@ -315,7 +325,8 @@ def test_a_client_that_leaves_while_its_images_decode_frees_everything(
     gated: tuple[RunningGateway, ImageResolution, DecodeGate],
 ) -> None:
     running, resolution, gate = gated
-    body = {"model": MODEL, "messages": [image_message(RED)], "max_tokens": 4, "stream": True}
+    tiny = png(16, 16)  # a data URL of a few hundred characters: prepared off the event loop all the same
+    body = {"model": MODEL, "messages": [image_message(tiny)], "max_tokens": 4, "stream": True}
     sock = _raw_request(running.base_url, body)
     assert gate.entered.wait(30)
     assert resolution.decoding == 1
@@ -327,7 +338,7 @@ def test_a_client_that_leaves_while_its_images_decode_frees_everything(
     assert running.metric("gateway_admission_in_flight", backend="reference") == 0
     assert running.engine_idle() and running.engine_tokens() == 0, "the engine never saw the request"
     # The one decode permit is free again: the next image request decodes and completes.
-    with httpx.Client(base_url=running.base_url, timeout=60) as http:
+    with httpx.Client(base_url=running.base_url, timeout=20) as http:  # a leaked permit: it would wait forever
         answer = http.post("/v1/chat/completions", json={**body, "stream": False})
     assert answer.status_code == 200
     assert running.engine_tokens() > 0

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from backends.errors import ContextLengthExceededError, InvalidRequestError, UpstreamError
-from backends.interface import Backend, GenerateRequest, SamplingOptions, TokenizingBackend, Usage
+from backends.interface import Backend, GenerateRequest, SamplingOptions, TokenizingBackend, Usage, has_image_parts
 from gateway.anthropic.output import MessagesFormat, new_id
 from gateway.anthropic.protocol import ConversationRequest, CountTokensRequest, MessagesRequest
 from gateway.anthropic.signatures import ThinkingSigner
@@ -108,7 +108,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 @router.post("/v1/messages/count_tokens", response_model=None)
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The ``input_tokens`` ``/v1/messages`` reports for the same request: the model's first backend encodes the
-    prompt (or, when it does not expose its tokenizer, as LMDeploy, generates one token and reports its usage)."""
+    prompt (or, when it does not expose its tokenizer, as LMDeploy, or when images must be decoded to be counted,
+    generates one token and reports its usage)."""
     state = gateway_state(request)
     with _counted(state, "count_tokens"):
         _check_size(body, state)
@@ -118,7 +119,8 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
         )
         backend = state.router.backends_of(model)[0]
         try:
-            if (tokenizing := capability(backend, TokenizingBackend)) is not None:
+            tokenizing = capability(backend, TokenizingBackend)
+            if tokenizing is not None and not has_image_parts(generate.messages or ()):
                 count = len(await tokenizing.tokenize(generate))
             else:
                 count = await _prompt_tokens_by_generating(backend, generate)
