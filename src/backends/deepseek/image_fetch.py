@@ -9,10 +9,12 @@ for as long as it keeps the connection open. So every URL fetch of a request goe
 - otherwise the fetcher is the library's, with ``ImageDestinations`` installed (the library consults it for the URL's
   host and every redirect target, for every resolved address) and the byte limit;
 - the fetch runs on a small pool of threads of its own and the caller waits at most ``timeout`` seconds (queueing
-  for a thread included). A fetch past its time is abandoned, not stopped: the library cannot be interrupted, so
-  its thread stays in the fetch until the remote host answers or closes the connection. The pool bounds how many
-  threads that can hold (``threads``); while all are held, further fetches wait for one and fail at their own
-  time. A hostile allowlisted host can therefore use up URL fetching, never the process's threads.
+  for a thread included); a request's URLs are fetched at once and share that wait, so a request holds its
+  preparation thread no longer than one fetch would. A fetch past its time is abandoned, not stopped: the library
+  cannot be interrupted, so its thread stays in the fetch until the remote host answers or closes the connection.
+  The pool bounds how many threads that can hold (``threads``); while all are held, further fetches wait for one
+  and fail at their own time. A hostile allowlisted host can therefore use up URL fetching, never the process's
+  threads.
 
 Every failure is a 400 naming the part (the ``param`` the caller gives): the URL is the client's choice and the
 model's backend is healthy, so it must neither count against the backend's circuit breaker nor invite an SDK's
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -79,7 +82,7 @@ class ImageUrlFetcher:
         self._fetcher = self._library_fetcher()
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self.abandoned = 0  # fetches given up at their deadline whose thread has not come back yet
+        self._held: set[Future[bytes]] = set()  # abandoned fetches whose thread has not come back yet
 
     def _library_fetcher(self) -> ReqwestImageFetcher:
         def destinations(host: str, address: str) -> bool:
@@ -121,9 +124,11 @@ class ImageUrlFetcher:
     def fetch(self, url: str, param: str) -> bytes:
         """The image's bytes; blocks its caller (a preparation thread) for at most ``timeout`` seconds."""
         self.check(url, param)
-        future = self._submit(url)
+        return self._wait(self._submit(url), url, param, time.monotonic() + self.settings.timeout)
+
+    def _wait(self, future: Future[bytes], url: str, param: str, deadline: float) -> bytes:
         try:
-            return future.result(timeout=self.settings.timeout)
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             self._abandon(future, url)
             raise self._timed_out(param) from None
@@ -148,15 +153,23 @@ class ImageUrlFetcher:
     def fetched_sources(self, sources: Sequence[ImageSource]) -> list[ImageSource]:
         """The sources with each URL fetched into a ``BytesImageSource`` (same detail and path), for an
         ``ImageResolver`` built on ``refusing_fetcher``; data URLs and bytes pass as they are. Blocking: call it
-        on a preparation thread. A failure names the source's path."""
-        resolved: list[ImageSource] = []
-        for source in sources:
-            url = source.url
-            if source.kind != "url" or url is None:
-                resolved.append(source)
-                continue
-            data = self.fetch(url, source.path)
-            resolved.append(BytesImageSource(data, source.detail, path=source.path))
+        on a preparation thread. A request's URLs are fetched at once and wait ``timeout`` together, so a request
+        holds its caller no longer than one fetch would. A failure names the source's path."""
+        urls = [(i, source, source.url) for i, source in enumerate(sources) if source.kind == "url" and source.url]
+        for _, source, url in urls:
+            self.check(url, source.path)
+        deadline = time.monotonic() + self.settings.timeout
+        started = [(i, source, url, self._submit(url)) for i, source, url in urls]
+        resolved = list(sources)
+        try:
+            for i, source, url, future in started:
+                data = self._wait(future, url, source.path, deadline)
+                resolved[i] = BytesImageSource(data, source.detail, path=source.path)
+        except BaseException:
+            for _, _, url, future in started:
+                if not future.done():
+                    self._abandon(future, url)
+            raise
         return resolved
 
     def _submit(self, url: str) -> Future[bytes]:
@@ -169,19 +182,27 @@ class ImageUrlFetcher:
         if future.cancel():  # still queued for a thread: it never starts
             return
         with self._lock:
-            self.abandoned += 1
+            if future in self._held or future.done():
+                return
+            self._held.add(future)
+            held = len(self._held)
         future.add_done_callback(self._returned)
         logger.warning(
             "image URL fetch abandoned (its time is up, or its client left); its thread stays until the host lets "
             "go (%d of %d held): %s",
-            self.abandoned,
+            held,
             self.settings.threads,
             url,
         )
 
-    def _returned(self, _future: Future[bytes]) -> None:
+    def _returned(self, future: Future[bytes]) -> None:
         with self._lock:
-            self.abandoned -= 1
+            self._held.discard(future)
+
+    @property
+    def abandoned(self) -> int:
+        """Fetches given up (past their time, or their client gone) whose thread has not come back yet."""
+        return len(self._held)
 
     def _timed_out(self, param: str) -> InvalidRequestError:
         message = f"the image URL did not deliver the image within {self.settings.timeout:g} s"

@@ -247,3 +247,19 @@ def test_the_configuration_turns_urls_on_only_with_hosts() -> None:
     for entry in ("https://images.example.com", "images.example.com:443", "images.example.com/x", "a.*.b", ""):
         with pytest.raises(ValidationError):
             ImageUrlsConfig(allowed_hosts=[entry])
+
+
+def test_a_requests_urls_are_fetched_at_once_and_wait_together(listener: HoldingListener) -> None:
+    """Two hung URLs of one request: both fetches start (a fetch after fetch would never start the second), and
+    the request fails at one timeout with both threads accounted for."""
+    fetcher = loopback_fetcher(timeout=0.3, threads=2)
+    url = f"http://127.0.0.1:{listener.port}/a.png"
+    sources = [UrlImageSource(url, path="messages[0].content[0]"), UrlImageSource(url, path=PART)]
+    with pytest.raises(InvalidRequestError) as caught:
+        fetcher.fetched_sources(sources)
+    assert caught.value.code == "image_url_timeout" and caught.value.param == "messages[0].content[0]"
+    assert wait_until(lambda: listener.accepted == 2)
+    assert fetcher.abandoned == 2
+    listener.release()
+    assert wait_until(lambda: fetcher.abandoned == 0)
+    fetcher.close()
