@@ -62,8 +62,66 @@ class AdmissionConfig(_Strict):
     )
 
 
+_HOST_ENTRY = re.compile(r"^((\*\.)?[A-Za-z0-9._-]+|\[?[0-9A-Fa-f:.]+\]?)$")
+"""An allowlist entry: a host name, ``*.`` and a domain, or an address (IPv6 bracketed or not)."""
+
+
+class ImageUrlsConfig(_Strict):
+    """http(s) image URLs in requests (README, Image URLs). Off while ``allowed_hosts`` is empty: data URLs and base64
+    images are taken, a URL is a 400. When on, every fetch connects only to public addresses of allowlisted hosts,
+    redirects included, and is bounded in bytes and time."""
+
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="hosts image URLs may name: exact names, or *.example.com for its subdomains; empty: URLs off",
+    )
+    max_bytes: int = Field(20 * 1024 * 1024, ge=1, description="largest image one URL may deliver")
+    fetch_timeout: float = Field(
+        10.0, gt=0, description="seconds one fetch may take, waiting for a fetch thread included; past it: a 400"
+    )
+    fetch_threads: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="fetches at once; a host that never answers holds its thread until it lets go, so at most "
+        "this many threads can be held",
+    )
+
+    @model_validator(mode="after")
+    def _host_names(self) -> ImageUrlsConfig:
+        for entry in self.allowed_hosts:
+            if not _HOST_ENTRY.match(entry):
+                raise ValueError(
+                    f"allowed_hosts entry {entry!r} is not a host name (no scheme, port or path; *. only in front)"
+                )
+        return self
+
+
+class ImageSettings(_Strict):
+    """Image inputs of V4.1 chats: what one request may send and how many images a process decodes at once.
+
+    Images come as data URLs or base64; ``http(s)`` URLs only from the hosts ``image_urls`` allows.
+    """
+
+    max_images: int = Field(8, ge=0, le=1024, description="images in one request; 0: images refused")
+    max_image_bytes: int = Field(
+        10 * 1024 * 1024, ge=1, description="encoded bytes of one image (after base64 decoding); beyond: 413"
+    )
+    max_total_bytes: int = Field(
+        20 * 1024 * 1024, ge=1, description="encoded bytes of all images of one request; beyond: 413"
+    )
+    max_pixels: int = Field(
+        7680 * 4320, ge=1, description="width x height of one image as sent (before resizing); beyond: 400"
+    )
+    max_concurrent_decodes: int = Field(
+        4, ge=1, le=1024, description="images this backend decodes and resizes at once in one process"
+    )
+
+
 class _Preparation(AdmissionConfig):
     """How an in-process engine backend prepares prompts (docs: README, Security and limits)."""
+
+    images: ImageSettings = Field(default_factory=ImageSettings, description="image inputs (README, Images)")
 
     prepare_threads: int = Field(
         2,
@@ -71,6 +129,9 @@ class _Preparation(AdmissionConfig):
         le=64,
         description="threads that render chat templates, tokenize prompts and compile output grammars, so that "
         "neither the event loop (/health) nor the engine thread waits on a huge prompt",
+    )
+    image_urls: ImageUrlsConfig = Field(
+        default_factory=ImageUrlsConfig, description="http(s) image URLs: off unless hosts are allowlisted"
     )
 
 
@@ -309,6 +370,16 @@ class LMDeployBackendConfig(AdmissionConfig):
     retries: int = Field(2, ge=0, description="other nodes tried for a request that failed before its first byte")
     logprob_tokens: Literal["byte_level", "raw"] = Field(
         "byte_level", description="byte_level: turn vocabulary spellings (Ġword) into text, as OpenAI reports it"
+    )
+    vision: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="whether image parts go to the nodes: auto asks each node once (a tiny image request), on "
+        "forwards them to every node, off refuses them with a 400",
+    )
+    image_urls: ImageUrlsConfig = Field(
+        default_factory=ImageUrlsConfig,
+        description="http(s) image URLs: off unless hosts are allowlisted; the gateway fetches them and sends the "
+        "bytes, so a node never fetches a URL",
     )
 
 

@@ -27,6 +27,12 @@ class SlowClientError(InvalidRequestError):
     code = "slow_client"
 
 
+class PayloadTooLargeError(InvalidRequestError):
+    """A part of the request (an image) is larger than the gateway takes: a 413 naming it."""
+
+    code = "payload_too_large"
+
+
 class ContextLengthExceededError(InvalidRequestError):
     """Prompt plus requested output does not fit the model's context window."""
 

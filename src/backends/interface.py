@@ -242,6 +242,32 @@ class PromptEcho(NamedTuple):
 Event = Delta | Finish | Usage | PromptEcho
 
 REQUEST_FEATURES = ("tools", "tool_choice", "response_format", "thinking", "reasoning_effort", "chat_template_kwargs")
+IMAGES_FEATURE = "images"
+"""The feature of backends that take image parts in user messages (a backend's ``supported_features`` names it)."""
+
+IMAGE_TOKENS_BOUND = 1024
+"""The most prompt tokens one image can take (V4.1's image token rule tops out at 994): budgets and flow control
+reserve this much per image before the image is decoded, and settle with the exact count."""
+
+
+def image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(request path, part) of every image part of chat messages, in prompt order.
+
+    An image part is OpenAI's ``{"type": "image_url", "image_url": {"url", "detail"}}``; one translated from
+    another API carries ``path``, its location in the client's request (``input[0].content[1]``).
+    """
+    for position, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for index, part in enumerate(content):
+            if isinstance(part, Mapping) and part.get("type") == "image_url":
+                path = part.get("path")
+                yield (path if isinstance(path, str) else f"messages[{position}].content[{index}]"), part
+
+
+def has_image_parts(messages: Sequence[Mapping[str, Any]]) -> bool:
+    return next(image_parts(messages), None) is not None
 
 
 def reject_unsupported(request: GenerateRequest, *, sampling: frozenset[str], features: frozenset[str]) -> None:
@@ -267,6 +293,11 @@ def reject_unsupported(request: GenerateRequest, *, sampling: frozenset[str], fe
                 raise InvalidRequestError(
                     "tool messages and tool calls are not supported by this backend yet", param=f"messages[{position}]"
                 )
+    if IMAGES_FEATURE not in features and request.messages:
+        for path, _ in image_parts(request.messages):
+            raise InvalidRequestError(
+                "image inputs are not supported by this model; send text", param=path, code="unsupported_value"
+            )
     for name in REQUEST_FEATURES:
         value = getattr(request, name)
         if name in features or value in (None, [], {}):

@@ -33,6 +33,7 @@ from backends.interface import (
     SamplingOptions,
     TokenizingBackend,
     Usage,
+    has_image_parts,
 )
 from gateway.capabilities import capability
 from gateway.metrics import RequestCost
@@ -58,7 +59,7 @@ class _Counting:
     def open(self, backend: Backend) -> EventStream[Event]:
         self.generated = False
         tokenizing = capability(backend, TokenizingBackend)
-        if tokenizing is not None:
+        if tokenizing is not None and not has_image_parts(self.request.messages or ()):
             return _usage_of(_tokenized_length(tokenizing, self.request))
         counting = capability(backend, PromptCountingBackend)
         return self._counted_else_generated(backend, counting)

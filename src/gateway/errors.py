@@ -19,6 +19,7 @@ from backends.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     OverloadedError,
+    PayloadTooLargeError,
     SlowClientError,
     UnavailableError,
     UpstreamError,
@@ -63,6 +64,8 @@ def api_error_from_backend(exc: BackendError) -> APIError:
         return APIError(404, exc.message, param="model", code=exc.code or "model_not_found")
     if isinstance(exc, SlowClientError):
         return APIError(408, exc.message, code=exc.code)
+    if isinstance(exc, PayloadTooLargeError):
+        return APIError(413, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, OverloadedError | UnavailableError):

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from backends.config import AdmissionConfig
 from backends.errors import OverloadedError
-from backends.interface import CLIENT_SERVICE_TIERS, SERVICE_TIERS, GenerateRequest
+from backends.interface import CLIENT_SERVICE_TIERS, IMAGE_TOKENS_BOUND, SERVICE_TIERS, GenerateRequest
 from gateway.server_config import ApiKeyConfig
 
 Clock = Callable[[], float]
@@ -88,10 +88,15 @@ def request_cost(request: GenerateRequest, output_estimate: int = DEFAULT_OUTPUT
 
 
 def _content_chars(content: object) -> int:
+    """A message's text length; an image counts as the text of the most tokens it can take."""
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):
-        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+        return sum(
+            IMAGE_TOKENS_BOUND * BYTES_PER_TOKEN if part.get("type") == "image_url" else len(part.get("text") or "")
+            for part in content
+            if isinstance(part, dict)
+        )
     return 0
 
 

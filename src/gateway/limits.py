@@ -25,11 +25,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from starlette.requests import Request
 
+from backends.interface import IMAGE_TOKENS_BOUND, image_parts
 from gateway.auth import key_label, request_label
 from gateway.budgets import BudgetStore, Clock, Draw, LocalBudgets, RedisBudgets, Take, bucket_key, seconds_until
 from gateway.errors import APIError
@@ -51,6 +53,19 @@ was unavailable or failed) charges nothing."""
 def estimate_prompt_tokens(body_bytes: int) -> int:
     """The tokens a prompt is reserved at, from the size of the request body that carries it."""
     return math.ceil(body_bytes / BYTES_PER_TOKEN)
+
+
+def image_estimate(messages: Sequence[Mapping[str, Any]] | None) -> tuple[int, int]:
+    """(body bytes the chat's images take, tokens to reserve for them): an image's base64 says nothing of its
+    tokens, so each is reserved at the most an image can take (``IMAGE_TOKENS_BOUND``) instead, and settled
+    with its exact count."""
+    taken = count = 0
+    for _, part in image_parts(messages or ()):
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, Mapping) else None
+        taken += len(url) if isinstance(url, str) else 0
+        count += 1
+    return taken, count * IMAGE_TOKENS_BOUND
 
 
 class Reservation:
@@ -231,14 +246,21 @@ class KeyLimits:
 
 @contextlib.asynccontextmanager
 async def admitted(
-    request: Request, limits: KeyLimits, max_tokens: int | None, *, prompt_tokens: int = 0
+    request: Request,
+    limits: KeyLimits,
+    max_tokens: int | None,
+    *,
+    prompt_tokens: int = 0,
+    messages: Sequence[Mapping[str, Any]] | None = None,
 ) -> AsyncIterator[Reservation]:
     """The request, admitted against the budgets of the key it came with (a 429 when they are spent): its prompt
-    estimated from its body, plus ``prompt_tokens`` the body does not carry (a stored conversation it continues).
+    estimated from its body (its chat ``messages``' images at their bound, ``image_estimate``), plus
+    ``prompt_tokens`` the body does not carry (a stored conversation it continues).
     Whatever fails inside the block before a backend takes the request over (routing, validation after admission)
     gives the reservation back; once the request's observer holds it, the request's end settles it instead."""
     body = await request.body()  # read already (the route parsed it): the bytes are cached
-    prompt = estimate_prompt_tokens(len(body)) + prompt_tokens
+    image_bytes, image_tokens = image_estimate(messages)
+    prompt = estimate_prompt_tokens(max(0, len(body) - image_bytes)) + image_tokens + prompt_tokens
     reservation = await limits.admit(request_label(request), max_tokens, prompt)
     try:
         yield reservation

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -66,17 +66,22 @@ async def serve(
     """The hops of the module docstring, in order. ``reserve``: the output tokens to reserve (None: the default);
     ``prompt_tokens``: prompt the body does not carry (a stored conversation); ``open_events``: how hops 3 and 4
     open a backend's events when one request is several (completions' prompts), else ``backend_events``."""
-    async with within_limits(request, state, reserve, prompt_tokens) as reservation:
+    async with within_limits(request, state, reserve, prompt_tokens, messages=generate.messages) as reservation:
         events = route(request, state, generate, open_events or backend_events(generate))
         return await respond(request, state, events, reply, reservation, model=generate.model)
 
 
 def within_limits(
-    request: Request, state: GatewayState, reserve: int | None, prompt_tokens: int = 0
+    request: Request,
+    state: GatewayState,
+    reserve: int | None,
+    prompt_tokens: int = 0,
+    *,
+    messages: Sequence[Mapping[str, Any]] | None = None,
 ) -> AbstractAsyncContextManager[Reservation]:
-    """Hop 1: the key's budgets admit the request (a 429 when spent); leaving the block before a backend took the
-    request over gives the reservation back."""
-    return admitted(request, key_limits(state), reserve, prompt_tokens=prompt_tokens)
+    """Hop 1: the key's budgets admit the request (a 429 when spent), its chat ``messages``' images estimated at
+    their bound; leaving the block before a backend took the request over gives the reservation back."""
+    return admitted(request, key_limits(state), reserve, prompt_tokens=prompt_tokens, messages=messages)
 
 
 def route(request: Request, state: GatewayState, generate: GenerateRequest, open_events: EventFactory) -> RoutedStream:

@@ -44,8 +44,8 @@ BAD_CHAT = [
     pytest.param(chat(logprobs=True, top_logprobs=21), "top_logprobs", id="top-logprobs-over-20"),
     pytest.param(
         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-        "messages[0].content[0].type",
-        id="image-part",
+        "messages[0].content[0]",
+        id="image-url-not-fetched",
     ),
     pytest.param(chat(stop=[""]), "stop[0]", id="empty-stop"),
     pytest.param(chat(bogus_field=1), "bogus_field", id="unknown-field"),

@@ -341,7 +341,7 @@ def test_logprobs_when_included(http: httpx.Client) -> None:
         ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input[0].content[0].type",
+            "input[0].content[0]",  # an image URL: not fetched (data URLs only)
         ),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from backends.config import DeepInferBackendConfig
 from backends.deepinfer.engine import DeepInferEngine
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
+from backends.deepseek.images import ImageResolution
 from backends.engine.backend import DrivenEngines, EngineBackend
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ def build_deepinfer_backend(config: DeepInferBackendConfig) -> DrivenEngines[Any
         construct,
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,
+        images=ImageResolution(config.images, config.image_urls),
     )
 
 
@@ -67,4 +69,5 @@ def _build_data_parallel_backend(config: DeepInferBackendConfig) -> DrivenEngine
         lambda: load_tokenizer(config),
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,
+        images=ImageResolution(config.images, config.image_urls),
     )

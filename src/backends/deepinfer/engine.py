@@ -106,7 +106,8 @@ class DeepInferEngine:
         prompt_token_ids: np.ndarray,
         multi_modal_data: dict[str, Any] | None = None,
     ) -> object | None:
-        """Adds a text request; ``None`` back means DeepInfer dropped it (a token id out of range)."""
+        """Adds a request (with its images' ``multi_modal_data``, if any); ``None`` back means DeepInfer dropped it (a
+        token id out of range)."""
         prompt = _int32_prompt(prompt_token_ids)
         structured = sampling_params is not None and sampling_params.get("so_args") is not None
         try:

@@ -28,7 +28,13 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from backends.deepseek.conversation import ConversationError, LibraryEffort, LibraryToolChoice, to_conversation
+from backends.deepseek.conversation import (
+    ConversationError,
+    LibraryEffort,
+    LibraryToolChoice,
+    image_sources,
+    to_conversation,
+)
 from backends.deepseek.effort import DEFAULT_EFFORT, parse_effort
 from backends.deepseek.markers import (
     ASSISTANT,
@@ -158,6 +164,7 @@ class DeepSeekV41ChatTemplate:
             so_param=so_param,
             reasoning_end_token=think_end[0] if len(think_end) == 1 else None,
             token_ids=ids,
+            image_sources=image_sources(conversation),
         )
 
     def thinking_mode(self, request: GenerateRequest, *, forced_call: bool = False) -> tuple[bool, LibraryEffort | int]:

@@ -9,6 +9,9 @@ the library's model cannot say (docs/deepseek.md lists each with its reason):
 - ``developer`` messages become system messages (the library has no ``developer`` role);
 - a message's ``reasoning`` (vLLM's name) is read as its ``reasoning_content``;
 - a null tool result is an empty one (the library's converter refuses null content);
+- a user message's ``image_url`` parts become the library's placeholder and image sources, as its converter
+  makes them, each source's ``path`` naming the part in the client's own request (a part translated from
+  Responses or Messages brings its ``path``), so the library's image errors name it;
 - the response-format extensions: ``regex`` is the library's own ``response_regex``; ``ebnf`` has no prompt
   section (the grammar is enforced by the engine only).
 
@@ -19,10 +22,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import deepseek_recipe as recipe
 
+IMAGE_TOKEN = "<｜image｜>"
+"""The library's spelling of an image placeholder in message text (its ``UserMessage`` default)."""
+IMAGE_DETAILS = ("low", "high", "auto")
+"""OpenAI's ``detail`` values; the library takes each as it is."""
+
+ImageDetail = Literal["low", "high", "auto"]
 LibraryEffort = Literal["low", "high", "xhigh", "max"]
 LibraryToolChoice = Literal["auto", "none", "required"]
 
@@ -102,11 +111,11 @@ def _check_prefix(messages: Sequence[Mapping[str, Any]], *, tools_offered: bool,
 def _message(idx: int, message: Mapping[str, Any], *, thinking: bool) -> recipe.Message:
     where = f"messages[{idx}]"
     role = message.get("role")
+    if role == "user":
+        return recipe.UserMessage(*_text_and_images(where, message.get("content")))
     content = _text(where, message.get("content"))
     if role in ("system", "developer"):
         return recipe.SystemMessage(content)
-    if role == "user":
-        return recipe.UserMessage(content)
     if role == "tool":
         call_id = message.get("tool_call_id")
         return recipe.ToolMessage(content, None if call_id is None else str(call_id))
@@ -149,6 +158,50 @@ def _text(where: str, content: Any) -> str:
             raise ConversationError(f"{where}.content[{n}]", "only text parts are supported")
         pieces.append(text)
     return "\n\n".join(pieces)
+
+
+def _text_and_images(where: str, content: Any) -> tuple[str, list[recipe.ImageSource]]:
+    """A user message's text, with the library's placeholder where each image part was, and its image sources
+    (each with ``path``: the part's location in the client's request, for error messages)."""
+    if not isinstance(content, Sequence) or isinstance(content, str):
+        return _text(where, content), []
+    pieces: list[str] = []
+    sources: list[recipe.ImageSource] = []
+    for n, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") == "image_url":
+            sources.append(_image_source(f"{where}.content[{n}]", part))
+            pieces.append(IMAGE_TOKEN)
+        else:
+            text = part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else None
+            if not isinstance(text, str):
+                raise ConversationError(f"{where}.content[{n}]", "only text and image_url parts are supported")
+            pieces.append(text)
+    return "\n\n".join(pieces), sources
+
+
+def _image_source(where: str, part: Mapping[str, Any]) -> recipe.ImageSource:
+    """The library's source for an ``image_url`` part; a part's own ``path`` (set by the Responses and Messages
+    translations) names it in the client's terms."""
+    path = part.get("path")
+    path = path if isinstance(path, str) else where
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, Mapping) else None
+    if not isinstance(url, str) or not url:
+        raise ConversationError(f"{path}.image_url.url", "must be a non-empty string")
+    detail = image.get("detail") if isinstance(image, Mapping) else None
+    if detail is None:
+        detail = "high"  # the library's converter's default
+    if detail not in IMAGE_DETAILS:
+        raise ConversationError(f"{path}.image_url.detail", "must be 'low', 'high' or 'auto'")
+    detail = cast(ImageDetail, detail)
+    if url.startswith("data:"):
+        return recipe.DataUrlImageSource(url, detail, path=path)
+    return recipe.UrlImageSource(url, detail, path=path)
+
+
+def image_sources(conversation: recipe.Conversation) -> list[recipe.ImageSource]:
+    """A conversation's image sources in the order of their placeholders in the prompt."""
+    return [source for message in conversation.messages for source in message.image_sources]
 
 
 def _tool_call(where: str, call: Any) -> recipe.ToolCall:

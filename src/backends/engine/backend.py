@@ -21,6 +21,7 @@ from backends.engine.events import EngineEvents, EngineRun
 from backends.engine.prompts import (
     DEFAULT_PREPARE_THREADS,
     ChatTemplate,
+    ImageResolver,
     PromptPreparer,
     SamplingPolicyTemplate,
     TokenizerBoundTemplate,
@@ -38,6 +39,7 @@ from backends.errors import (
     UnavailableError,
 )
 from backends.interface import (
+    IMAGES_FEATURE,
     GenerateRequest,
     TokenizerInfo,
     reject_unsupported,
@@ -87,6 +89,7 @@ class Driver(Protocol):
         sink: Sink,
         index: int,
         user_id: str = "",
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> int | None: ...
 
     def abort(self, request_ids: list[str]) -> None: ...
@@ -110,13 +113,16 @@ class DrivenEngines(Generic[D]):
         chat_template: ChatTemplate,
         *,
         prepare_threads: int = DEFAULT_PREPARE_THREADS,
+        images: ImageResolver | None = None,
     ) -> None:
+        """``images``: how chats' images are resolved; without one, image parts are refused (a 400)."""
         self.name = name
         self.kind = kind
-        self.supported_features = type(self).supported_features | getattr(chat_template, "features", frozenset())
+        features = type(self).supported_features | getattr(chat_template, "features", frozenset())
+        self.supported_features = features | {IMAGES_FEATURE} if images is not None else features
         self.driver = driver
         self._chat_template = chat_template
-        self._prompts = PromptPreparer(chat_template, threads=prepare_threads, name=name)
+        self._prompts = PromptPreparer(chat_template, threads=prepare_threads, name=name, images=images)
         self._table: TokenTable | None = None
         self._ids = itertools.count()
         self._started = False
@@ -186,7 +192,7 @@ class DrivenEngines(Generic[D]):
         reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
         prompt = await self._prompts.prepare(request)
         prompt_ids, chat = prompt.ids, prompt.chat
-        max_tokens = _resolve_max_tokens(request, len(prompt_ids), engine.max_model_len)
+        max_tokens = _resolve_max_tokens(request, prompt.token_count, engine.max_model_len)
         sampling = request.sampling
         scoring = request.echo and sampling.logprobs
         params: dict[str, Any] = {
@@ -232,13 +238,21 @@ class DrivenEngines(Generic[D]):
             echo_text=echo_text,
             scoring=scoring,
             score_only=max_tokens == 0,  # echo with max_tokens 0: score the prompt, generate nothing
+            prompt_count=prompt.token_count,
         )
+        multi_modal_data = prompt.images.multi_modal_data() if prompt.images is not None else None
         sink = run.sink
         try:
             for index, engine_id in enumerate(engine_ids):
                 seed = None if sampling.seed is None else sampling.seed + index
                 rank = self.driver.add(
-                    engine_id, {**params, "seq_seed": seed}, prompt_array, sink, index, request.user or ""
+                    engine_id,
+                    {**params, "seq_seed": seed},
+                    prompt_array,
+                    sink,
+                    index,
+                    request.user or "",
+                    multi_modal_data,
                 )
                 if rank is not None and request.trace is not None:
                     request.trace.annotate("gateway.dp.rank", rank)  # a request's choices share one rank
@@ -318,9 +332,10 @@ class EngineBackend(DrivenEngines[EngineDriver]):
         chat_template: ChatTemplate,
         *,
         prepare_threads: int = DEFAULT_PREPARE_THREADS,
+        images: ImageResolver | None = None,
     ) -> None:
         driver = EngineDriver(engine_factory, name=name)
-        super().__init__(name, kind, driver, chat_template, prepare_threads=prepare_threads)
+        super().__init__(name, kind, driver, chat_template, prepare_threads=prepare_threads, images=images)
 
 
 def _resolve_max_tokens(request: GenerateRequest, prompt_len: int, max_model_len: int) -> int:

@@ -58,6 +58,7 @@ class _Add:
     sampling_params: dict[str, Any]
     prompt_token_ids: np.ndarray
     user_id: str
+    multi_modal_data: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -134,13 +135,14 @@ class EngineDriver:
         sink: Sink,
         index: int,
         user_id: str = "",
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> int | None:
         """Queues the request for the engine thread. Returns the data-parallel rank that takes it: None here, with
         one engine (``DataParallelDriver.add`` names a rank)."""
         if not self.alive:
             raise UnavailableError(f"backend {self.name!r} is not running: {self.failure or 'not started'}")
         self._sinks[request_id] = (sink, index)
-        self._inbox.put(_Add(request_id, sampling_params, prompt_token_ids, user_id))
+        self._inbox.put(_Add(request_id, sampling_params, prompt_token_ids, user_id, multi_modal_data))
         return None
 
     def abort(self, request_ids: list[str]) -> None:
@@ -283,7 +285,7 @@ def _add(engine: Engine, command: _Add) -> BackendError | None:
             request_id=command.request_id,
             sampling_params=command.sampling_params,
             prompt_token_ids=command.prompt_token_ids,
-            multi_modal_data=None,
+            multi_modal_data=command.multi_modal_data,
         )
     except (ValueError, TypeError, KeyError) as exc:
         return InvalidRequestError(f"the engine rejected the request: {exc}")

@@ -46,6 +46,7 @@ class EngineRun:
         "_live",
         "_outputs",
         "_pending",
+        "_prompt_count",
         "_prompt_ids",
         "_prompt_unreported",
         "_reasoning",
@@ -67,13 +68,16 @@ class EngineRun:
         echo_text: str | None,
         scoring: bool,
         score_only: bool,
+        prompt_count: int | None = None,
     ) -> None:
+        """``prompt_count``: the prompt's tokens as the engine counts them (images expanded); default: its ids."""
         self._abort = abort
         self._engine_ids = engine_ids
         self._choices = choices
         self._live = set(engine_ids)
         self._outputs = OutputBuffer(max_buffered_tokens, self._abort_live)
         self._prompt_ids = prompt_ids
+        self._prompt_count = len(prompt_ids) if prompt_count is None else prompt_count
         self._table = table
         self._chat = chat
         self._reasoning = chat is not None and chat.parser is not None
@@ -202,13 +206,13 @@ class EngineRun:
         if delta is not None:
             if self._prompt_unreported:  # a request cut short before its usage is charged its exact prompt
                 self._prompt_unreported = False
-                delta = delta._replace(prompt_tokens=len(self._prompt_ids))
+                delta = delta._replace(prompt_tokens=self._prompt_count)
             self._pending.append(delta)
         if finish is not None:
             self._pending.append(Finish(index, finish, choice.end_logprobs, choice.matched_stop))
 
     def _usage(self) -> Usage:
-        prompt = len(self._prompt_ids)
+        prompt = self._prompt_count
         # The prompt is counted once for all choices: its hits are those every choice's engine request had.
         cached = min((c for c in self._cached if c is not None), default=0)
         if self._score_only:

@@ -12,10 +12,14 @@ the pool thread and reported to the trace from the event loop, as one stage ``en
 to result) whose attributes split it: the wait for a pool thread, rendering, tokenizing, compiling (one span
 rather than four: the SDK's cost is per span).
 
-A small prompt with nothing to compile (``INLINE_PROMPT_CHARS``, no tools, no ``response_format``, not traced) is
-prepared on the event loop instead: rendering and tokenizing a few hundred characters takes tens of microseconds,
-less than the hand-off to a pool thread and back (a queue, two thread wake-ups, the loop's self-pipe), which was
-about a tenth of the front end's CPU per request on short chats.
+A chat's images (``ChatPrompt.image_sources``) are resolved on the same job by the backend's ``ImageResolver``
+(decoding and resizing an image takes milliseconds to seconds of CPU), and the prompt's length for the context
+check is its ids plus the tokens the images add beyond their placeholders.
+
+A small prompt with nothing to compile or decode (``INLINE_PROMPT_CHARS``, no tools, no ``response_format``, no
+images, not traced) is prepared on the event loop instead: rendering and tokenizing a few hundred characters takes
+tens of microseconds, less than the hand-off to a pool thread and back (a queue, two thread wake-ups, the loop's
+self-pipe), which was about a tenth of the front end's CPU per request on short chats.
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ from backends.engine.detokenizer import TokenTable
 from backends.engine.protocol import EngineView, StructuredOutputCompiler
 from backends.errors import ContextLengthExceededError, InvalidRequestError
 from backends.heap import release_free_heap
-from backends.interface import GenerateRequest, SamplingOptions, ToolCallDelta, TraceValue, traced_stage
+from backends.interface import (
+    GenerateRequest,
+    SamplingOptions,
+    ToolCallDelta,
+    TraceValue,
+    has_image_parts,
+    traced_stage,
+)
 
 DEFAULT_PREPARE_THREADS = 2
 INLINE_PROMPT_CHARS = 2048
@@ -84,6 +95,7 @@ class ChatPrompt(NamedTuple):
     so_param: str | None = None  # the request field that asked for constrained decoding, for error messages
     reasoning_end_token: int | None = None  # id of the token that closes reasoning, to count reasoning tokens
     token_ids: Sequence[int] | None = None  # the prompt's ids, when the template encodes it (client text stays text)
+    image_sources: Sequence[object] = ()  # the images of its placeholders, in prompt order, for an ImageResolver
 
 
 class ChatTemplate(Protocol):
@@ -115,21 +127,55 @@ class SamplingPolicyTemplate(Protocol):
     def served_sampling(self, request: GenerateRequest) -> SamplingOptions: ...
 
 
+class PromptImages(Protocol):
+    """A prompt's images as the engine takes them."""
+
+    @property
+    def extra_tokens(self) -> int:
+        """Prompt tokens the images take beyond one placeholder token each (the engine expands placeholders)."""
+        ...
+
+    def multi_modal_data(self) -> dict[str, Any]:
+        """``add_request``'s ``multi_modal_data``: image bytes and sizes, one per placeholder in prompt order."""
+        ...
+
+
+class ImageResolver(Protocol):
+    """Turns a chat's image sources into the engine's images; runs on the preparation pool (thread-safe), and
+    raises ``InvalidRequestError`` (or its 413 kind) naming the image a limit or a broken image refuses."""
+
+    def resolve(self, sources: Sequence[Any]) -> PromptImages: ...
+
+
 class PreparedPrompt(NamedTuple):
     """What the engine needs from a request's prompt, ready to add."""
 
     ids: np.ndarray  # int32, 1-D, C-contiguous: what DeepInfer's add_request takes
     chat: ChatPrompt | None
     so_args: Mapping[str, Any] | None  # the chat's so_args, compiled when the engine offers it
+    images: PromptImages | None = None  # the chat's images, resolved
+
+    @property
+    def token_count(self) -> int:
+        """The prompt's tokens as the engine counts them: each image placeholder expanded."""
+        return len(self.ids) + (self.images.extra_tokens if self.images is not None else 0)
 
 
 class PromptPreparer:
     """Prepares prompts for one engine backend on its own thread pool."""
 
-    def __init__(self, chat_template: ChatTemplate, *, threads: int = DEFAULT_PREPARE_THREADS, name: str) -> None:
+    def __init__(
+        self,
+        chat_template: ChatTemplate,
+        *,
+        threads: int = DEFAULT_PREPARE_THREADS,
+        name: str,
+        images: ImageResolver | None = None,
+    ) -> None:
         if threads < 1:
             raise ValueError("prepare_threads must be at least 1")
         self._template = chat_template
+        self._images = images
         self._threads = threads
         self._name = name
         self._executor: ThreadPoolExecutor | None = None
@@ -197,8 +243,11 @@ class PromptPreparer:
             add_special_tokens = True
         if parts is not None:
             parts["gateway.prompt.chars"] = len(text)
+        images = self._resolve_images(chat)
+        if images is not None and parts is not None:
+            mark = _part(parts, "gateway.prompt.images_s", mark)
         if chat is not None and chat.token_ids is not None:
-            ids = _checked_ids(chat.token_ids, engine.max_model_len)
+            ids = _checked_ids(chat.token_ids, engine.max_model_len, images.extra_tokens if images is not None else 0)
         else:
             ids = self._tokenize(text, add_special_tokens, engine, param="messages" if chat is not None else "prompt")
         if parts is not None:
@@ -208,7 +257,15 @@ class PromptPreparer:
             so_args = engine.compile_so_args(so_args)
             if parts is not None:
                 _part(parts, "gateway.prompt.compile_s", mark)
-        return PreparedPrompt(ids, chat, so_args)
+        return PreparedPrompt(ids, chat, so_args, images)
+
+    def _resolve_images(self, chat: ChatPrompt | None) -> PromptImages | None:
+        """The chat's images, decoded and resized here on the pool (never on the event loop)."""
+        if chat is None or not chat.image_sources:
+            return None
+        if self._images is None:
+            raise InvalidRequestError("images are not supported by this model", param="messages")
+        return self._images.resolve(chat.image_sources)
 
     def _tokenize(self, text: str, add_special_tokens: bool, engine: EngineView, *, param: str) -> np.ndarray:
         limit = engine.max_model_len
@@ -231,10 +288,13 @@ class PromptPreparer:
                 release_free_heap()
 
 
-def _checked_ids(token_ids: Sequence[int], limit: int) -> np.ndarray:
-    """A chat template's own token ids, checked against the context length."""
-    if len(token_ids) > limit:
-        raise _too_long(limit, f"has {len(token_ids)} tokens", "messages")
+def _checked_ids(token_ids: Sequence[int], limit: int, image_tokens: int = 0) -> np.ndarray:
+    """A chat template's own token ids, checked against the context length (with the tokens its images take
+    beyond their placeholders)."""
+    count = len(token_ids) + image_tokens
+    if count > limit:
+        images = f", {image_tokens} of them beyond the images' placeholders" if image_tokens else ""
+        raise _too_long(limit, f"has {count} tokens{images}", "messages")
     return np.array(token_ids, dtype=np.int32)
 
 
@@ -242,6 +302,8 @@ def _small(request: GenerateRequest) -> bool:
     """Whether the request's prompt is cheap enough to prepare on the event loop (``INLINE_PROMPT_CHARS``)."""
     if request.tools or request.response_format is not None:
         return False  # a grammar to compile
+    if request.messages is not None and has_image_parts(request.messages):
+        return False  # images to decode
     if request.prompt_token_ids is not None:
         return len(request.prompt_token_ids) <= INLINE_PROMPT_CHARS
     if request.prompt is not None:

@@ -13,6 +13,7 @@ lower latency; see docs/lmdeploy.md and ``bench/lmdeploy_overhead.py --clients``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
@@ -20,10 +21,12 @@ import aiohttp
 from prometheus_client.metrics_core import Metric
 
 from backends.config import LMDeployBackendConfig
+from backends.deepseek.image_fetch import ImageUrlFetcher, ImageUrlSettings
 from backends.errors import UnavailableError
 from backends.interface import Delta, Event, Finish, GenerateRequest, PromptEcho, Usage, reject_unsupported
 from backends.lmdeploy.connections import probe_session, request_session
 from backends.lmdeploy.errors import UpstreamFailure
+from backends.lmdeploy.images import Position, image_positions, node_messages, refuse_images
 from backends.lmdeploy.node_metrics import node_metric_families
 from backends.lmdeploy.nodes import Node, NodePool
 from backends.lmdeploy.translate import SUPPORTED_FEATURES, SUPPORTED_SAMPLING, UpstreamPlan, plan_request
@@ -61,7 +64,9 @@ class LMDeployBackend:
             health_timeout=config.health_timeout,
             failure_threshold=config.failure_threshold,
             backend=config.name,
+            vision=config.vision,
         )
+        self.images = ImageUrlFetcher(ImageUrlSettings.of(config.image_urls))
         self._session: aiohttp.ClientSession | None = None
         self._probe_session: aiohttp.ClientSession | None = None
         self._upstream: UpstreamClient | None = None
@@ -92,6 +97,7 @@ class LMDeployBackend:
                 await session.close()
         self._session = self._probe_session = None
         self._upstream = None
+        self.images.close()
 
     def readiness(self) -> tuple[bool, str]:
         if not self._started:
@@ -113,7 +119,11 @@ class LMDeployBackend:
         if not self._started or self._upstream is None:
             raise UnavailableError(f"backend {self.name!r} is not ready: {self.readiness()[1]}", retry_after=5)
         reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
+        positions = image_positions(request.messages) if request.messages else []
+        if positions:
+            request = await self._with_node_images(request, positions)
         plan = plan_request(request, self.config.max_model_len)
+        plan.vision = bool(positions)
         model = self.config.model_map.get(request.model) or self.config.model
         progress = _Progress()
         if request.echo and request.prompt is not None:
@@ -140,6 +150,13 @@ class LMDeployBackend:
             cached = min(d.cached_tokens for d in done)  # the prompt is counted once: the hits every choice had
             yield Usage(prompt_tokens, completion, sum(reasoning) if reasoning else None, cached)
 
+    async def _with_node_images(self, request: GenerateRequest, positions: list[Position]) -> GenerateRequest:
+        """The request with its images as a vision node may receive them (``images.py``), or a 400 without one."""
+        assert request.messages is not None
+        if not self.pool.serves_vision():
+            raise refuse_images(request.messages, positions[0])
+        return dataclasses.replace(request, messages=await node_messages(request.messages, positions, self.images))
+
     async def _merged(
         self, request: GenerateRequest, plan: UpstreamPlan, model: str | None, progress: _Progress
     ) -> AsyncGenerator[Delta | Finish | ChoiceDone, None]:
@@ -158,12 +175,13 @@ class LMDeployBackend:
         last: UpstreamFailure | None = None
         retries = 0
         while True:
-            node = self.pool.choose(tried)
+            node = self.pool.choose(tried, vision=plan.vision)
             if node is None:
                 if last is not None:
                     raise last.error
+                serving = "LMDeploy node serving a vision model" if plan.vision else "LMDeploy node"
                 raise UnavailableError(
-                    f"no healthy LMDeploy node in backend {self.name!r} ({self.pool.describe()})", retry_after=5
+                    f"no healthy {serving} in backend {self.name!r} ({self.pool.describe()})", retry_after=5
                 )
             tried.add(node)
             upstream = self._upstream

@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 
 from backends.lmdeploy.proxy import ProxyView, proxy_view
+from backends.lmdeploy.vision import probe_vision
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Node:
     healthy: bool = False
     reason: str = "not probed yet"
     model: str | None = None  # served model name, configured or discovered from /v1/models
+    vision: bool | None = None  # serves a vision model: configured, or the node's answer to a probe (vision.py)
     in_flight: int = 0
     consecutive_failures: int = 0
     requests: int = 0
@@ -67,11 +69,13 @@ class NodePool:
         health_timeout: float,
         failure_threshold: int,
         backend: str,
+        vision: str = "auto",
     ) -> None:
         self.nodes = [Node(url) for url in urls]
         for node in self.nodes:
             node.model = model
             node.kind = node_kind
+            node.vision = None if vision == "auto" else vision == "on"
         self._discover = model is None
         self._headers = headers
         self._interval = health_interval
@@ -84,8 +88,9 @@ class NodePool:
         self._wake = asyncio.Event()
 
     # choosing
-    def choose(self, exclude: set[Node] | frozenset[Node] = frozenset()) -> Node | None:
-        """The healthy node with the fewest requests in flight; ties go round-robin so load spreads."""
+    def choose(self, exclude: set[Node] | frozenset[Node] = frozenset(), *, vision: bool = False) -> Node | None:
+        """The healthy node with the fewest requests in flight (one serving a vision model if ``vision``); ties go
+        round-robin so load spreads."""
         nodes = self.nodes
         count = len(nodes)
         start = self._turn
@@ -93,11 +98,15 @@ class NodePool:
         best: Node | None = None
         for offset in range(count):
             node = nodes[(start + offset) % count]
-            if not node.healthy or node.model is None or node in exclude:
+            if not node.healthy or node.model is None or node in exclude or (vision and not node.vision):
                 continue
             if best is None or node.in_flight < best.in_flight:
                 best = node
         return best
+
+    def serves_vision(self) -> bool:
+        """Whether any node is known to serve a vision model (healthy or not: a node that is out may return)."""
+        return any(node.vision for node in self.nodes)
 
     def healthy_count(self) -> int:
         return sum(1 for n in self.nodes if n.healthy and n.model is not None)
@@ -173,6 +182,19 @@ class NodePool:
         if node.kind == "auto":
             node.kind = "api_server"
         self._mark_in(node, "healthy")
+        await self._learn_vision(node)
+
+    async def _learn_vision(self, node: Node) -> None:
+        """Asks a healthy node whose vision is unknown whether it takes images (``vision.py``)."""
+        if node.vision is None and node.model is not None and self._session is not None:
+            node.vision = await probe_vision(self._session, node.url, node.model, self._headers, self._probe_timeout)
+            if node.vision is not None:
+                logger.info(
+                    "lmdeploy node %s of %s serves a %s model",
+                    node.url,
+                    self._backend,
+                    "vision" if node.vision else "text-only",
+                )
 
     def _mark_in(self, node: Node, reason: str) -> None:
         if not node.healthy:
@@ -221,6 +243,7 @@ class NodePool:
             self._mark_out(node, reason)
             return
         self._mark_in(node, reason)
+        await self._learn_vision(node)
 
     def _mark_out(self, node: Node, reason: str) -> None:
         node.probes_failed += 1

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.errors import ContextLengthExceededError, InvalidRequestError
-from backends.interface import GenerateRequest
+from backends.interface import IMAGES_FEATURE, GenerateRequest
 
 CHAT_PATH = "/v1/chat/completions"
 GENERATE_PATH = "/generate"
@@ -26,8 +26,9 @@ COMPLETIONS_PATH = "/v1/completions"  # text prompts through an LMDeploy proxy, 
 
 SUPPORTED_SAMPLING = frozenset({"min_tokens", "min_p", "repetition_penalty", "skip_special_tokens"})
 SUPPORTED_FEATURES = frozenset(
-    {"tools", "tool_choice", "response_format", "thinking", "reasoning_effort", "chat_template_kwargs"}
+    {"tools", "tool_choice", "response_format", "thinking", "reasoning_effort", "chat_template_kwargs", IMAGES_FEATURE}
 )
+"""Images among them: a backend whose nodes serve no vision model refuses them itself (``images.py``)."""
 REASONING_EFFORTS = frozenset({"low", "medium", "high", "max"})  # what LMDeploy accepts
 RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema", "regex_schema"})
 DEFAULT_OUTPUT_BOUND = 32768
@@ -43,6 +44,7 @@ class UpstreamPlan:
     seed: int | None
     chat: bool
     want_top_logprobs: int  # how many alternatives the client asked for (LMDeploy is asked for at least one)
+    vision: bool = False  # the messages carry images: only a node serving a vision model may take them
 
     def body_for(self, index: int, model: str) -> dict[str, Any]:
         body = dict(self.body)
@@ -64,7 +66,7 @@ class UpstreamPlan:
                 param="prompt",
             )
         body = {**self.body, "stream_options": {"include_usage": True}}
-        return UpstreamPlan(COMPLETIONS_PATH, body, self.seed, False, 0)
+        return UpstreamPlan(COMPLETIONS_PATH, body, self.seed, False, 0, self.vision)
 
     @property
     def completions(self) -> bool:

@@ -27,7 +27,14 @@ from tokenizers import Tokenizer
 
 from . import corpus
 from .model import NGramModel, region_table, train
-from .tokenizer import DEFAULT_VOCAB_SIZE, SpecialTokenIds, build_tokenizer, check_layout, special_token_ids
+from .tokenizer import (
+    DEFAULT_VOCAB_SIZE,
+    SpecialTokenIds,
+    add_image_token,
+    build_tokenizer,
+    check_layout,
+    special_token_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +154,7 @@ def _load_or_build(cache_dir: Path | str | None, vocab_size: int) -> ReferenceAr
             _publish(path, tokenizer, model, digest, vocab_size)
         except OSError as exc:  # a read-only or full disk costs the next start a rebuild, nothing more
             logger.warning("reference engine cache not written to %s: %s", path, exc)
+    add_image_token(tokenizer)  # not in the cached file: the model is trained without it
     return ReferenceArtifacts(
         tokenizer=tokenizer,
         model=model,

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.config import ReferenceBackendConfig
 from backends.deepseek.chat import DeepSeekV41ChatTemplate
+from backends.deepseek.images import ImageResolution
 from backends.engine.backend import DrivenEngines, EngineBackend
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ def build_reference_backend(config: ReferenceBackendConfig) -> DrivenEngines[Any
         construct,
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,
+        images=ImageResolution(config.images, config.image_urls),
     )
 
 
@@ -78,6 +80,7 @@ def _build_data_parallel_backend(config: ReferenceBackendConfig) -> DrivenEngine
         load_tokenizer,
         DeepSeekV41ChatTemplate(default_thinking=config.default_thinking),
         prepare_threads=config.prepare_threads,
+        images=ImageResolution(config.images, config.image_urls),
     )
 
 

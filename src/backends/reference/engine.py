@@ -7,6 +7,9 @@ DeepInfer's abort rule (aborted while waiting: one synthetic ``abort`` output; a
 An optional timing model (seconds per prefill token, per decode step, tokens accepted per step) makes it pace
 like a GPU deployment for load tests. Each step samples the whole batch with a few numpy calls.
 
+Images (``multi_modal_data``) are taken as DeepInfer takes them: each placeholder expands into the image's tokens
+before the ids are checked (``images``), and the images' bytes seed the request's sampling.
+
 This module is the ``LLMEngine`` surface and FIFO admission; the request state is in ``sequence``, the running
 batch in ``batch``, sampling and finish rules in ``decoder``, the timing model in ``timing``, and prompt logprobs
 in ``prompt_scoring``.
@@ -41,6 +44,7 @@ from backends.engine.protocol import EOS_TOKEN_ID, EngineOutput, FinishReason, M
 from .artifacts import load_or_build
 from .batch import RunningBatch
 from .decoder import BatchDecoder
+from .images import IMAGE_TOKEN_SLACK, expand_images
 from .model import NGramModel
 from .prefix_cache import PrefixCache
 from .prompt_scoring import attach_prompt_logprobs, prompt_logprobs
@@ -48,7 +52,7 @@ from .sampling_params import SamplingParams
 from .sequence import ReferenceSequence, SequenceStatus
 from .structured import StructuredOutputError, StructuredOutputs, check_so_args
 from .timing import TimingModel
-from .tokenizer import DEFAULT_VOCAB_SIZE, SpecialTokenIds
+from .tokenizer import DEFAULT_VOCAB_SIZE, IMAGE, SpecialTokenIds
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +98,7 @@ class ReferenceEngine:
         self.tokenizer = tokenizer
         self.model = model
         self.special_token_ids = special
+        self._image_token = tokenizer.token_to_id(IMAGE)  # expanded by add_request's multi_modal_data
         self.max_model_len = args.max_model_len
         self.max_num_seqs = args.max_num_seqs
         self.vocab_size = model.vocab_size
@@ -140,8 +145,6 @@ class ReferenceEngine:
             raise RuntimeError("engine is closed")
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if multi_modal_data:
-            raise ValueError("multi_modal_data is not supported by the reference engine")
         if self._seed_source is not None:
             if sampling_params is None:
                 sampling_params = {}
@@ -160,18 +163,28 @@ class ReferenceEngine:
             and prompt.flags.c_contiguous
         ):
             raise TypeError("prompt_token_ids must be a 1-D C-contiguous numpy array of dtype int32")
-        if prompt.size == 0:
+        images = None
+        if multi_modal_data is not None:  # DeepInfer expands the placeholders first, then checks the ids
+            images = expand_images(prompt, self._image_token, self.vocab_size, multi_modal_data)
+            params.seq_seed ^= images.digest
+        tokens = images.tokens if images is not None else prompt
+        if tokens.size == 0:
             raise ValueError("prompt must not be empty")
-        if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
+        slack = IMAGE_TOKEN_SLACK if images is not None else 0
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size + slack:
             return None
+        text = images.text if images is not None else prompt
+        if text.size == 0:
+            raise ValueError("prompt must hold text besides its images")
         so_args = params.so_args
         if so_args is not None:
             check_so_args(so_args)
-        seq = ReferenceSequence(user_id, request_id, params, prompt, self.model.region_after(prompt))
+        seq = ReferenceSequence(user_id, request_id, params, text, self.model.region_after(text))
+        seq.prompt_len = int(tokens.size)
         if self.prefix_cache is not None:
-            seq.block_keys = self.prefix_cache.block_keys(prompt)
+            seq.block_keys = self.prefix_cache.block_keys(images.cache_keys if images is not None else prompt)
         if params.prompt_logprobs:
-            seq.prompt_logprobs = prompt_logprobs(self.model, prompt, self._background)
+            seq.prompt_logprobs = prompt_logprobs(self.model, text, self._background)
         self._live[request_id] = seq
         if so_args is not None:
             # DeepInfer compiles on a thread pool and enqueues the request from a later step(); here the grammar

@@ -233,7 +233,7 @@ class StructuredOutputs:
         with self._lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self.eos
+                    _within_vocab(self._tokenizer, self.vocab_size), n_vocab=self.vocab_size, eos_token=self.eos
                 )
             return self._ll_tokenizer
 
@@ -328,3 +328,11 @@ def _one_hot(ids: np.ndarray, probs: np.ndarray, token: int) -> None:
     ids[column] = token
     probs[:] = 0.0
     probs[column] = 1.0
+
+
+def _within_vocab(tokenizer: Tokenizer, vocab_size: int) -> str:
+    """The tokenizer's JSON without the added tokens past the model's vocabulary (the image placeholder, which
+    the engine expands before sampling and no grammar can produce)."""
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = [token for token in spec.get("added_tokens", []) if token["id"] < vocab_size]
+    return json.dumps(spec)

@@ -29,6 +29,11 @@ SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, LATES
 TEXT_MARKERS: tuple[str, ...] = (THINK, THINK_END, DSML)
 """Single tokens that are part of the text: the reasoning and tool-call parsers must still see them."""
 
+IMAGE = "<｜image｜>"
+"""deepseek-recipe's image placeholder. Added when the tokenizer is loaded, after the model's vocabulary (its id is
+the model's ``vocab_size``): the model never predicts it, and the engine expands it before the model sees the
+prompt (``backends.reference.images``)."""
+
 DEFAULT_VOCAB_SIZE = 8000
 
 
@@ -87,3 +92,14 @@ def special_token_ids(tokenizer: Tokenizer) -> SpecialTokenIds:
             raise ValueError(f"tokenizer has no token {token!r}")
         ids.append(token_id)
     return SpecialTokenIds(*ids)
+
+
+def add_image_token(tokenizer: Tokenizer) -> int:
+    """Gives the tokenizer the image placeholder as a special token (once); returns its id."""
+    existing = tokenizer.token_to_id(IMAGE)
+    if existing is not None:
+        return existing
+    tokenizer.add_special_tokens([AddedToken(IMAGE, special=True, normalized=False)])
+    token_id = tokenizer.token_to_id(IMAGE)
+    assert token_id is not None
+    return token_id

@@ -18,7 +18,7 @@ from prometheus_client.metrics_core import Metric
 from tokenizers import Tokenizer
 
 from backends.engine.backend import ChatTemplate, DrivenEngines
-from backends.engine.prompts import DEFAULT_PREPARE_THREADS
+from backends.engine.prompts import DEFAULT_PREPARE_THREADS, ImageResolver
 from backends.workers.driver import DataParallelDriver
 from backends.workers.launch import WorkerPlan
 from backends.workers.ranks import RankState
@@ -51,9 +51,10 @@ class DataParallelBackend(DrivenEngines[DataParallelDriver]):
         chat_template: ChatTemplate,
         *,
         prepare_threads: int = DEFAULT_PREPARE_THREADS,
+        images: ImageResolver | None = None,
     ) -> None:
         driver = DataParallelDriver(name, plan, load_tokenizer)
-        super().__init__(name, kind, driver, chat_template, prepare_threads=prepare_threads)
+        super().__init__(name, kind, driver, chat_template, prepare_threads=prepare_threads, images=images)
 
     def readiness(self) -> tuple[bool, str]:
         ready, reason = super().readiness()

@@ -189,6 +189,7 @@ class DataParallelDriver:
         sink: Sink,
         index: int,
         user_id: str = "",
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> int:
         """Sends the request to the rank the balancer picks (in the next flush); returns that rank's index."""
         if not self.alive:
@@ -202,7 +203,9 @@ class DataParallelDriver:
         rank.requests.add(request_id)
         rank.queued_tokens += queued
         rank.dispatched += 1
-        rank.adds.append([request_id, sampling_params, prompt_token_ids.tobytes(), user_id, prefix])
+        rank.adds.append(
+            [request_id, sampling_params, prompt_token_ids.tobytes(), user_id, prefix, *m.images_wire(multi_modal_data)]
+        )
         self._schedule_flush()
         return rank.index
 

@@ -17,7 +17,8 @@ from backends.errors import BackendError, InvalidRequestError, OverloadedError, 
 
 # Dispatcher -> worker.
 BATCH = 0
-"""``[BATCH, adds, aborts, taken]``: adds are ``[request_id, sampling_params, prompt_int32_bytes, user_id, prefix]``,
+"""``[BATCH, adds, aborts, taken]``: adds are ``[request_id, sampling_params, prompt_int32_bytes, user_id, prefix]``
+and, for a prompt with images, a sixth item ``[[image_bytes, ...], [[width, height], ...]]`` (``images_wire``);
 ``prefix`` the prompt's prefix hashes (``RankBalancer.prefix_hashes`` as uint64 bytes, or empty), which the rank
 passes on to its other dispatchers; ``taken`` is the ``seq`` of the last ``STEP`` message the dispatcher has taken
 (its credit, ``STEPS_AHEAD``)."""
@@ -137,3 +138,18 @@ def rebuild_error(kind: str, message: str) -> BackendError:
     if kind == "overloaded":
         return OverloadedError(message, retry_after=1.0)
     return UpstreamError(message)
+
+
+def images_wire(multi_modal_data: dict[str, Any] | None) -> list[Any]:
+    """The optional last item of an add for ``multi_modal_data``: image bytes travel as msgpack binaries."""
+    if multi_modal_data is None:
+        return []
+    return [[multi_modal_data["image_bytes"], [list(size) for size in multi_modal_data["image_sizes"]]]]
+
+
+def images_of(item: list[Any]) -> dict[str, Any] | None:
+    """``multi_modal_data`` from an add's optional last item (``images_wire``)."""
+    if not item:
+        return None
+    image_bytes, sizes = item[0]
+    return {"image_bytes": list(image_bytes), "image_sizes": [(int(w), int(h)) for w, h in sizes]}

@@ -239,8 +239,8 @@ class Worker:
                 self.send(identity, [m.READY, os.getpid(), self.info(), self.spec.launch], block=False)
             elif kind == m.BATCH:
                 dispatcher.last_seen = time.perf_counter()
-                for request_id, params, prompt, user_id, prefix in message[1]:
-                    self._add(dispatcher, request_id, params, prompt, user_id, prefix)
+                for request_id, params, prompt, user_id, prefix, *images in message[1]:
+                    self._add(dispatcher, request_id, params, prompt, user_id, prefix, m.images_of(images))
                 prefix = dispatcher.prefix
                 owner = self.owner
                 self._aborts.extend(e for e in (prefix + r for r in message[2]) if e in owner)
@@ -301,6 +301,7 @@ class Worker:
         prompt: bytes,
         user_id: str,
         prefix: bytes,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> None:
         if self._stop:
             return
@@ -314,7 +315,7 @@ class Worker:
                 request_id=engine_id,
                 sampling_params=params,
                 prompt_token_ids=np.frombuffer(prompt, dtype=np.int32).copy(),
-                multi_modal_data=None,
+                multi_modal_data=multi_modal_data,
             )
         except (ValueError, TypeError, KeyError) as exc:
             self._errors.append(

@@ -31,7 +31,6 @@ TOOL_FIELDS = frozenset(
 """A custom tool's fields. ``strict`` and ``eager_input_streaming`` change nothing here (forced calls follow the
 schema anyway; a call's input is sent once it is final) and ``input_examples`` are not shown to the model."""
 UNSUPPORTED_BLOCKS = {
-    "image": "images are not supported by this model; send text",
     "document": "documents are not supported by this model; send their text",
     "search_result": "search_result blocks are not supported; send their text",
     "server_tool_use": "server tools are not supported",
@@ -47,12 +46,13 @@ UNSUPPORTED_BLOCKS = {
 }
 """Content blocks Anthropic defines that these models or this gateway cannot take: a 400 that says so."""
 BLOCKS_BY_ROLE = {
-    "user": frozenset({"text", "tool_result"}),
+    "user": frozenset({"text", "image", "tool_result"}),
     "assistant": frozenset({"text", "thinking", "redacted_thinking", "tool_use"}),
     "system": frozenset({"text"}),
 }
 BLOCK_FIELDS = {
     "text": frozenset({"type", "text", "cache_control", "citations"}),
+    "image": frozenset({"type", "source", "cache_control"}),
     "tool_use": frozenset({"type", "id", "name", "input", "cache_control", "caller"}),
     "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
     "thinking": frozenset({"type", "thinking", "signature"}),
@@ -98,6 +98,8 @@ def canonical_block(block: Any, where: str, role: str) -> dict[str, Any]:
         raise ParameterError(f"{where}.{extra[0]}", f"unknown field in a {kind} block")
     if kind == "text":
         return {"type": "text", "text": _string(block, "text", where)}
+    if kind == "image":
+        return {"type": "image", "url": _image_url(block.get("source"), f"{where}.source")}
     if kind == "thinking":
         return {
             "type": "thinking",
@@ -128,6 +130,10 @@ def canonical_block(block: Any, where: str, role: str) -> dict[str, Any]:
             kind = part.get("type")
             if isinstance(kind, str) and kind in UNSUPPORTED_BLOCKS:
                 raise UnsupportedParameter(f"{here}.type", UNSUPPORTED_BLOCKS[kind])
+            if kind == "image":
+                raise UnsupportedParameter(
+                    f"{here}.type", "images in tool results are not supported; send them in a user message"
+                )
             if kind == "tool_reference":
                 extra = sorted(set(part) - {"type", "tool_name", "cache_control"})
                 if extra:
@@ -227,3 +233,29 @@ def check_tool_turns(messages: list[dict[str, Any]]) -> None:
                 f"tool_use id {shown(missing[0])} has no tool_result at the start of the next user message",
             )
         uses = {b["id"]: where for where, b in blocks if b["type"] == "tool_use"} if role == "assistant" else {}
+
+
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as one URL: base64 data becomes a data URL (the backend decodes and checks it)."""
+    if not isinstance(source, dict):
+        raise ParameterError(where, "expected an object with a type of 'base64' or 'url'")
+    kind = source.get("type")
+    if kind == "base64":
+        extra = sorted(set(source) - {"type", "media_type", "data"})
+        if extra:
+            raise ParameterError(f"{where}.{extra[0]}", "unknown field in a base64 image source")
+        media = source.get("media_type")
+        if media not in IMAGE_MEDIA_TYPES:
+            raise ParameterError(f"{where}.media_type", f"expected one of {', '.join(IMAGE_MEDIA_TYPES)}")
+        return f"data:{media};base64,{_string(source, 'data', where)}"
+    if kind == "url":
+        extra = sorted(set(source) - {"type", "url"})
+        if extra:
+            raise ParameterError(f"{where}.{extra[0]}", "unknown field in a url image source")
+        return _string(source, "url", where)
+    if kind == "file":
+        raise UnsupportedParameter(f"{where}.type", "images by file_id are not supported; send base64 data")
+    raise ParameterError(f"{where}.type", f"expected 'base64' or 'url', got {shown(kind)}")

@@ -48,23 +48,34 @@ def chat_messages(body: ConversationRequest, signer: ThinkingSigner) -> list[dic
         elif role == "system":
             messages.append({"role": "system", "content": _text(message["content"])})
         else:
-            texts = []
-            for block in message["content"]:
-                if block["type"] == "tool_result":
-                    content = block["content"]
-                    if block["is_error"]:
-                        content = ERROR_RESULT_PREFIX + content
-                    messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
-                else:
-                    texts.append({"type": "text", "text": block["text"]})
-            if texts:
-                messages.append({"role": "user", "content": texts[0]["text"] if len(texts) == 1 else texts})
+            _add_user_blocks(messages, message["content"], i)
     if turn is not None:
         messages.append(turn)
     kept = body.context_management.thinking_turns_kept() if body.context_management is not None else None
     if kept is not None:
         _clear_thinking(messages, kept)
     return messages
+
+
+def _add_user_blocks(messages: list[dict[str, Any]], blocks: list[dict[str, Any]], index: int) -> None:
+    """A user message's blocks: tool results as tool messages, then its text and images as one user message (an
+    image part names its block, ``messages[i].content[j]``, for errors)."""
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        if block["type"] == "tool_result":
+            content = block["content"]
+            if block["is_error"]:
+                content = ERROR_RESULT_PREFIX + content
+            messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
+        elif block["type"] == "image":
+            url = {"url": block["url"]}
+            parts.append({"type": "image_url", "image_url": url, "path": f"messages[{index}].content[{j}]"})
+        else:
+            parts.append({"type": "text", "text": block["text"]})
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        messages.append({"role": "user", "content": parts[0]["text"]})
+    elif parts:
+        messages.append({"role": "user", "content": parts})
 
 
 def _add_assistant_blocks(

@@ -30,8 +30,12 @@ RESPONSE_FORMATS = {"text": None, "json_object": None, "json_schema": "json_sche
 TEXT_PART_TYPES = ("text",)
 TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
 """A text part's fields; ``prompt_cache_breakpoint`` is a caching hint for OpenAI's service, taken and ignored."""
-UNSUPPORTED_PART_TYPES = ("image_url", "input_audio", "file", "refusal")
+UNSUPPORTED_PART_TYPES = ("input_audio", "file", "refusal")
 """Content parts OpenAI defines that these models cannot take: a 400 that says so, not "invalid"."""
+IMAGE_PART_FIELDS = frozenset({"type", "image_url"})
+IMAGE_URL_FIELDS = frozenset({"url", "detail"})
+IMAGE_DETAILS = ("low", "high", "auto")
+"""An ``image_url`` part's fields; whether the served model takes images is the backend's to say (a 400 if not)."""
 THINKING_SWITCHES = ("thinking", "enable_thinking", "drop_thinking")
 
 
@@ -92,6 +96,9 @@ class ChatMessage(_Body):
                     raise UnsupportedParameter(
                         f"[{i}].type", f"content parts of type {shown(kind)} are not supported by this model; send text"
                     )
+                if kind == "image_url":
+                    _check_image_part(f"[{i}]", part)
+                    continue
                 if kind not in TEXT_PART_TYPES:
                     raise ParameterError(f"[{i}].type", f"expected 'text', got {shown(kind)}")
                 if not isinstance(part.get("text"), str):
@@ -130,6 +137,10 @@ class ChatMessage(_Body):
             raise MissingParameter("tool_call_id", "a tool message needs tool_call_id")
         if self.audio is not None:
             raise UnsupportedParameter("audio", "audio in messages is not supported")
+        if self.role != "user" and isinstance(self.content, list):
+            for i, part in enumerate(self.content):
+                if part.get("type") == "image_url":
+                    raise ParameterError(f"content[{i}].type", "image parts are only allowed in user messages")
         if self.function_call is not None:
             raise UnsupportedParameter("function_call", "the deprecated functions API is not supported; use tools")
         return self
@@ -139,7 +150,26 @@ class ChatMessage(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n\n".join(part["text"] for part in self.content)
+        return "\n\n".join(part["text"] for part in self.content if part.get("type") == "text")
+
+
+def _check_image_part(where: str, part: dict[str, Any]) -> None:
+    """An ``image_url`` content part as OpenAI defines it: ``{"type", "image_url": {"url", "detail"?}}``."""
+    extra = sorted(set(part) - IMAGE_PART_FIELDS)
+    if extra:
+        raise ParameterError(f"{where}.{extra[0]}", "unknown field in an image_url content part")
+    image = part.get("image_url")
+    if not isinstance(image, dict):
+        raise ParameterError(f"{where}.image_url", 'expected {"url": ..., "detail": ...}')
+    extra = sorted(set(image) - IMAGE_URL_FIELDS)
+    if extra:
+        raise ParameterError(f"{where}.image_url.{extra[0]}", "unknown field in image_url")
+    url = image.get("url")
+    if not isinstance(url, str) or not url:
+        raise MissingParameter(f"{where}.image_url.url", "an image_url part needs a url (a data URL or an http(s) URL)")
+    detail = image.get("detail")
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise ParameterError(f"{where}.image_url.detail", f"expected 'low', 'high' or 'auto', got {shown(detail)}")
 
 
 class ThinkingSwitch(_Body):

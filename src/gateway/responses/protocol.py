@@ -22,6 +22,7 @@ SUPPORTED_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_conte
 ``reasoning.encrypted_content`` adds nothing; it is accepted because stateless clients always ask for it."""
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal", "summary_text": "text"}
+IMAGE_DETAILS = ("low", "high", "auto")
 
 
 def new_id(prefix: str) -> str:
@@ -237,10 +238,28 @@ def _message_item(item_id: str | None, role: str, content: list[dict[str, Any]],
     }
 
 
+def _image(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An ``input_image`` part, by URL (a data URL; whether the model takes images is the backend's to say)."""
+    if part.get("file_id") is not None:
+        raise UnsupportedParameter(f"{where}.file_id", "images by file_id are not supported; send image_url")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise UnsupportedParameter(f"{where}.image_url", "an input_image part needs image_url (a data URL)")
+    detail = part.get("detail", "auto")
+    if detail not in IMAGE_DETAILS:
+        raise UnsupportedParameter(f"{where}.detail", "expected 'low', 'high' or 'auto'")
+    extra = sorted(set(part) - {"type", "image_url", "detail", "file_id"})
+    if extra:
+        raise UnsupportedParameter(f"{where}.{extra[0]}", "unknown field in an input_image part")
+    return {"type": "input_image", "image_url": url, "detail": detail}
+
+
 def _text(part: Any, where: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise UnsupportedParameter(where, "a content part must be an object")
     kind = part.get("type")
+    if kind == "input_image" and "input_image" in allowed:
+        return _image(part, where)
     if kind not in allowed:
         raise UnsupportedParameter(f"{where}.type", f"content parts of type {kind!r} are not supported here")
     key = TEXT_PARTS[kind]
@@ -263,6 +282,8 @@ def canonical_item(item: Any, where: str) -> dict[str, Any]:
         content = item.get("content")
         if role == "assistant":
             allowed: tuple[str, ...] = ("output_text", "refusal", "input_text")
+        elif role == "user":
+            allowed = ("input_text", "input_image")
         else:
             allowed = ("input_text",)
         if isinstance(content, str):
@@ -329,6 +350,22 @@ def _joined(parts: list[dict[str, Any]]) -> str:
     return "".join(p.get("text") or p.get("refusal") or "" for p in parts)
 
 
+def _message_content(parts: list[dict[str, Any]], where: str) -> str | list[dict[str, Any]]:
+    """A message's chat content: its text, or with images, chat parts (each image part naming its input part)."""
+    if not any(p["type"] == "input_image" for p in parts):
+        return _joined(parts)
+    return [
+        {
+            "type": "image_url",
+            "image_url": {"url": p["image_url"], "detail": p["detail"]},
+            "path": f"{where}.content[{j}]",
+        }
+        if p["type"] == "input_image"
+        else {"type": "text", "text": p.get("text") or ""}
+        for j, p in enumerate(parts)
+    ]
+
+
 def unmatched_call_output(history: list[dict[str, Any]], items: list[dict[str, Any]]) -> tuple[int, str] | None:
     """(position in ``items``, call id) of the first function_call_output no earlier function_call asked for."""
     calls = {item["call_id"] for item in history if item["type"] == "function_call"}
@@ -368,9 +405,10 @@ def responses_message(message: str) -> str:
     return message
 
 
-def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_messages(instructions: str | None, items: list[dict[str, Any]], first_input: int = 0) -> list[dict[str, Any]]:
     """The chat messages for canonical items. An assistant turn's reasoning, text and function calls arrive as
-    separate items; consecutive ones fold into one assistant message, as the model wrote them."""
+    separate items; consecutive ones fold into one assistant message, as the model wrote them. ``items[first_input]``
+    is ``input[0]`` (those before it come from ``previous_response_id``), which names an image in an error."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
@@ -382,7 +420,7 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
             messages.append(turn)
             turn = None
 
-    for item in items:
+    for position, item in enumerate(items):
         kind = item["type"]
         if kind == "reasoning" or (kind == "message" and item["role"] == "assistant"):
             if turn is not None and (turn["content"] or "tool_calls" in turn):
@@ -402,7 +440,8 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
         else:
             close_turn()
             if kind == "message":
-                messages.append({"role": item["role"], "content": _joined(item["content"])})
+                where = f"input[{position - first_input}]" if position >= first_input else "previous_response_id"
+                messages.append({"role": item["role"], "content": _message_content(item["content"], where)})
             else:  # function_call_output
                 messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     close_turn()

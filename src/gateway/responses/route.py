@@ -91,7 +91,7 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
             f"No function call found for function_call_output with call_id '{call_id}'.",
             param=f"input[{position}]",
         )
-    messages = chat_messages(body.instructions, history + body.items)
+    messages = chat_messages(body.instructions, history + body.items, len(history))
     if len(messages) > server.limits.max_messages:
         raise APIError(400, f"at most {server.limits.max_messages} messages are allowed.", param="input")
     if body.tools and len(body.tools) > server.limits.max_tools:

@@ -12,6 +12,7 @@ import signal
 import threading
 
 import httpx
+import msgpack
 import numpy as np
 import orjson
 import zmq
@@ -19,6 +20,7 @@ import zmq
 from backends.workers import messages as m
 
 from ...conftest import RunningGateway, captured_logs, logged_error_detail, wait_until
+from ...image_files import data_url, png
 from .conftest import chat, clock_of, driver_of, holding_rank, open_stream, steps
 from .peer import RankPeer
 
@@ -284,3 +286,45 @@ def test_prompt_scoring_and_tokenizing_work_through_rank_workers(http: httpx.Cli
         logprobs = response.json()["choices"][0]["logprobs"]
         assert len(logprobs["token_logprobs"]) == len(tokens) and logprobs["token_logprobs"][0] is None
         assert all(isinstance(v, float) and v <= 0.0 for v in logprobs["token_logprobs"][1:])
+
+
+# ---- images --------------------------------------------------------------------------------------------------
+
+
+def test_images_reach_the_ranks_over_the_msgpack_wire(dp_gateway: RunningGateway, http: httpx.Client) -> None:
+    """The rank's engine mixes the image bytes into its sampling: replies that follow the image prove the bytes
+    crossed the wire, and the prompt counts the image's tokens on both sides of it."""
+
+    def reply(image: bytes, max_tokens: int = 12) -> dict:
+        parts = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+        body = {"model": "dp", "messages": [{"role": "user", "content": parts}], "max_tokens": max_tokens, "seed": 5}
+        response = http.post("/v1/chat/completions", json={**body, "temperature": 1.0, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        return response.json()  # type: ignore[no-any-return]
+
+    red, blue = png(320, 240, (200, 0, 0)), png(320, 240, (0, 0, 200))
+    first = reply(red)
+    assert reply(red)["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert reply(blue)["choices"][0]["message"]["content"] != first["choices"][0]["message"]["content"]
+    text_only = chat(http, "dp", "Describe it.", 1)["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens"] > text_only + 64
+    # The rank's engine counts the expanded prompt too: a reply may not run past the context.
+    room = dp_gateway.state.backends["dp"].max_model_len() - first["usage"]["prompt_tokens"]  # type: ignore[operator]
+    assert (
+        http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "dp",
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(red)}}]}],
+                "max_tokens": room + 8,
+            },
+        ).status_code
+        == 400
+    )
+
+
+def test_the_wire_carries_image_bytes_and_sizes_as_msgpack_binaries() -> None:
+    data = {"image_bytes": [b"\x00\xffpng", b"jpeg"], "image_sizes": [(630, 476), (16, 16)]}
+    item = msgpack.unpackb(msgpack.packb(m.images_wire(data)), raw=False)
+    assert m.images_of(item) == data
+    assert m.images_wire(None) == [] and m.images_of([]) is None

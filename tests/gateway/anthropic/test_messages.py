@@ -300,7 +300,7 @@ def test_a_prompt_longer_than_the_context_is_a_400_saying_prompt_is_too_long(cla
         ({"messages": []}, "messages"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
-            "messages[0].content[0].type",
+            "messages[0].content[0]",  # an image URL: not fetched (base64 only)
         ),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         (
