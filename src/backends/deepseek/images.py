@@ -163,7 +163,8 @@ def _declared(source: recipe.ImageSource) -> tuple[int, bytes]:
             return size, base64.b64decode(chunk, validate=False)
         except ValueError:
             return size, b""
-    return len(payload), urllib.parse.unquote_to_bytes(payload[: HEADER_BYTES * 3])[:HEADER_BYTES]
+    size = len(payload) - 2 * payload.count("%")  # each %XX escape is one byte
+    return size, urllib.parse.unquote_to_bytes(payload[: HEADER_BYTES * 3])[:HEADER_BYTES]
 
 
 def _too_many_bytes(source: recipe.ImageSource, limit: int) -> PayloadTooLargeError:

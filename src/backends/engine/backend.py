@@ -22,6 +22,7 @@ from backends.engine.prompts import (
     DEFAULT_PREPARE_THREADS,
     ChatTemplate,
     ImageResolver,
+    PreparedPrompt,
     PromptPreparer,
     SamplingPolicyTemplate,
     TokenizerBoundTemplate,
@@ -240,26 +241,37 @@ class DrivenEngines(Generic[D]):
             score_only=max_tokens == 0,  # echo with max_tokens 0: score the prompt, generate nothing
             prompt_count=prompt.token_count,
         )
-        multi_modal_data = prompt.images.multi_modal_data() if prompt.images is not None else None
-        sink = run.sink
         try:
-            for index, engine_id in enumerate(engine_ids):
-                seed = None if sampling.seed is None else sampling.seed + index
-                rank = self.driver.add(
-                    engine_id,
-                    {**params, "seq_seed": seed},
-                    prompt_array,
-                    sink,
-                    index,
-                    request.user or "",
-                    multi_modal_data,
-                )
-                if rank is not None and request.trace is not None:
-                    request.trace.annotate("gateway.dp.rank", rank)  # a request's choices share one rank
+            self._add_choices(request, run, engine_ids, params, prompt_array, prompt)
         except BaseException:
             run.close()
             raise
         return run
+
+    def _add_choices(
+        self,
+        request: GenerateRequest,
+        run: EngineRun,
+        engine_ids: list[str],
+        params: dict[str, Any],
+        prompt_array: np.ndarray,
+        prompt: PreparedPrompt,
+    ) -> None:
+        """Adds each choice to the engine (choice i seeded ``seed + i``), with the prompt's images."""
+        multi_modal_data = prompt.images.multi_modal_data() if prompt.images is not None else None
+        seed = request.sampling.seed
+        for index, engine_id in enumerate(engine_ids):
+            rank = self.driver.add(
+                engine_id,
+                {**params, "seq_seed": None if seed is None else seed + index},
+                prompt_array,
+                run.sink,
+                index,
+                request.user or "",
+                multi_modal_data,
+            )
+            if rank is not None and request.trace is not None:
+                request.trace.annotate("gateway.dp.rank", rank)  # a request's choices share one rank
 
     # ---- TokenizingBackend ------------------------------------------------------------------------------------
 

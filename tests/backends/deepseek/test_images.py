@@ -4,11 +4,15 @@ bound budgets reserve per image, checked against deepseek-recipe's own rule."""
 from __future__ import annotations
 
 import struct
+import urllib.parse
 
 import deepseek_recipe as recipe
 import pytest
 
+from backends.config import ImageSettings
 from backends.deepseek.image_headers import pixel_size
+from backends.deepseek.images import ImageResolution
+from backends.errors import PayloadTooLargeError
 from backends.interface import IMAGE_TOKENS_BOUND
 
 from ...image_files import declared_png, png
@@ -37,3 +41,16 @@ def test_an_unreadable_header_is_left_to_the_library(data: bytes) -> None:
 def test_no_image_takes_more_tokens_than_the_bound_budgets_reserve(size: tuple[int, int]) -> None:
     tokens = recipe.MultiModalData([recipe.ImageInfo(b"", *size)]).image_token_adjustment() + 1
     assert tokens <= IMAGE_TOKENS_BOUND
+
+
+def test_a_percent_encoded_data_url_declares_its_decoded_bytes() -> None:
+    image = png(64, 48)
+    url = "data:image/png," + urllib.parse.quote_from_bytes(image)
+    settings = ImageSettings(max_image_bytes=len(image))
+    resolved = ImageResolution(settings).resolve([recipe.DataUrlImageSource(url, "low", path="messages[0].content[0]")])
+    assert resolved.image_sizes and resolved.extra_tokens >= 0
+    with pytest.raises(PayloadTooLargeError) as refused:
+        ImageResolution(ImageSettings(max_image_bytes=len(image) - 1)).resolve(
+            [recipe.DataUrlImageSource(url, "low", path="messages[0].content[0]")]
+        )
+    assert refused.value.param == "messages[0].content[0]"
