@@ -233,7 +233,7 @@ class StructuredOutputs:
         with self._lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    _within_vocab(self._tokenizer, self.vocab_size), n_vocab=self.vocab_size, eos_token=self.eos
+                    tokenizer_within_vocab(self._tokenizer, self.vocab_size), n_vocab=self.vocab_size, eos_token=self.eos
                 )
             return self._ll_tokenizer
 
@@ -330,7 +330,7 @@ def _one_hot(ids: np.ndarray, probs: np.ndarray, token: int) -> None:
     probs[column] = 1.0
 
 
-def _within_vocab(tokenizer: Tokenizer, vocab_size: int) -> str:
+def tokenizer_within_vocab(tokenizer: Tokenizer, vocab_size: int) -> str:
     """The tokenizer's JSON without the added tokens past the model's vocabulary (the image placeholder, which
     the engine expands before sampling and no grammar can produce)."""
     spec = json.loads(tokenizer.to_str())

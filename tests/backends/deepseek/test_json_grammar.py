@@ -25,7 +25,7 @@ from backends.deepseek.number_grammar import integer_range
 from backends.deepseek.regex_grammar import pattern_expression
 from backends.reference import ReferenceArtifacts
 from backends.reference.strict_schema import strict_json_schema
-from backends.reference.structured import JSON_OPTIONS
+from backends.reference.structured import JSON_OPTIONS, tokenizer_within_vocab
 
 _LL_TOKENIZERS: dict[int, llguidance.LLTokenizer] = {}
 
@@ -35,7 +35,9 @@ def ll_tokenizer(artifacts: ReferenceArtifacts) -> llguidance.LLTokenizer:
     key = id(artifacts.tokenizer)
     if key not in _LL_TOKENIZERS:
         _LL_TOKENIZERS[key] = llguidance.LLTokenizer(
-            artifacts.tokenizer.to_str(), n_vocab=artifacts.model.vocab_size, eos_token=1
+            tokenizer_within_vocab(artifacts.tokenizer, artifacts.model.vocab_size),
+            n_vocab=artifacts.model.vocab_size,
+            eos_token=1,
         )
     return _LL_TOKENIZERS[key]
 

@@ -14,6 +14,7 @@ from backends.deepseek.response_format import response_format_so_args
 from backends.deepseek.schema_checks import check_json_schema
 from backends.deepseek.tool_call_grammar import tool_call_grammar
 from backends.reference import ReferenceArtifacts
+from backends.reference.structured import tokenizer_within_vocab
 
 from .dsml_text import ToolCall, render_tool_calls
 
@@ -46,7 +47,9 @@ class Grammar:
     def __init__(self, gbnf: str, artifacts: ReferenceArtifacts) -> None:
         self.tokenizer = artifacts.tokenizer
         self.ll_tokenizer = llguidance.LLTokenizer(
-            artifacts.tokenizer.to_str(), n_vocab=artifacts.model.vocab_size, eos_token=1
+            tokenizer_within_vocab(artifacts.tokenizer, artifacts.model.vocab_size),
+            n_vocab=artifacts.model.vocab_size,
+            eos_token=1,
         )
         self.grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(gbnf))
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.grammar, self.ll_tokenizer)
