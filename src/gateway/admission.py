@@ -9,14 +9,15 @@ from collections.abc import Awaitable, Mapping
 
 from backends.config import AdmissionConfig
 from backends.interface import (
+    NOT_OPENED,
     Backend,
+    BatchStream,
     CallTrace,
     Event,
-    EventPoller,
     EventStream,
     GenerateRequest,
     TraceValue,
-    poller_of,
+    batches_of,
     traced_stage,
 )
 from gateway.capabilities import WrappedBackend
@@ -39,17 +40,18 @@ class AdmittedBackend(WrappedBackend):
 
 class _AdmittedEvents:
     """A backend's events holding a slot of the gate: the first step waits for the slot and opens the backend's
-    stream; every later step is the backend's own (no wrapper per event). The slot is freed by ``aclose``, after
-    the backend's stream was closed (its work aborted): the consumer closes the stream when it ends, whichever
-    way (``RoutedStream`` and ``interleave`` do)."""
+    stream; every later step, one event or a batch, is the backend's own (no wrapper per event). The slot is freed
+    by ``aclose``, after the backend's stream was closed (its work aborted): the consumer closes the stream when it
+    ends, whichever way (``RoutedStream`` and ``interleave`` do)."""
 
-    __slots__ = ("_backend", "_closed", "_events", "_gate", "_request", "_started")
+    __slots__ = ("_backend", "_batches", "_closed", "_events", "_gate", "_request", "_started")
 
     def __init__(self, backend: Backend, gate: FlowController, request: GenerateRequest) -> None:
         self._backend = backend
         self._gate = gate
         self._request = request
         self._events: EventStream[Event] | None = None
+        self._batches: BatchStream[Event] = NOT_OPENED
         self._started: float | None = None  # when the slot was taken
         self._closed = False
 
@@ -75,12 +77,14 @@ class _AdmittedEvents:
                 request.log.update(admission.log_fields())
         self._started = time.monotonic()
         events = self._events = self._backend.generate(self._request)
+        self._batches = batches_of(events)
         return await events.__anext__()
 
-    def poller(self) -> EventPoller[Event] | None:
-        """The backend's stream's own, if it has one: the slot adds nothing per event."""
-        events = self._events
-        return poller_of(events) if events is not None and not self._closed else None
+    def ready(self) -> list[Event]:
+        return self._batches.ready()
+
+    def wait(self) -> Awaitable[None]:
+        return self._batches.wait()
 
     async def aclose(self) -> None:
         if self._closed:
