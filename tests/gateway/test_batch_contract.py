@@ -110,6 +110,4 @@ def test_a_streamed_answer_after_its_first_token_comes_through_every_wrapper_s_b
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 48
     assert chunks[-2].choices[0].finish_reason == "length"
-    assert double.batched - before >= 2, (
-        "the events after the first (the finish and the usage at least) were batched"
-    )
+    assert double.batched - before >= 2, "the events after the first (the finish and the usage at least) were batched"
