@@ -15,7 +15,7 @@ Keep-alive pings are one timer per stream that looks at the time of the last wri
 
 Why not Starlette's ``StreamingResponse`` or sse-starlette: they run each stream in a task group with a second
 task listening for the disconnect, and pings and a stall timeout need more tasks and a timeout scope per send; the
-measurements are in docs/bench.md ("Streaming primitives").
+measurements are in the README ("Why not sse-starlette").
 """
 
 from __future__ import annotations
