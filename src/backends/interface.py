@@ -11,6 +11,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
+from backends.cancellation import TaskCancel as TaskCancel  # the one cancellation ledger
+from backends.deadlines import Deadline as Deadline  # the one deadline mechanism
+from backends.deadlines import DeadlineExpired as DeadlineExpired
 from backends.streams import NOT_OPENED as NOT_OPENED  # a wrapper's batches before its inner stream opened
 from backends.streams import BatchStream as BatchStream  # a stream read a batch at a time
 from backends.streams import EventStream as EventStream  # what generate returns

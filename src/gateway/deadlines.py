@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from backends.deadlines import Deadline
+from backends.interface import Deadline
 
 
 class Timeouts(NamedTuple):

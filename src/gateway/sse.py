@@ -28,8 +28,7 @@ from collections.abc import AsyncGenerator, Callable
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from backends.cancellation import TaskCancel
-from backends.deadlines import Deadline, DeadlineExpired
+from backends.interface import Deadline, DeadlineExpired, TaskCancel
 from gateway.connections import DIRECT_BODY
 
 PING_FRAME = b": ping\n\n"

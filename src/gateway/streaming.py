@@ -24,9 +24,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from backends.deadlines import Deadline
 from backends.errors import BackendError, SlowClientError
-from backends.interface import Delta, Event, EventStream, Finish, PromptEcho, Usage, batches_of, interleave
+from backends.interface import Deadline, Delta, Event, EventStream, Finish, PromptEcho, Usage, batches_of, interleave
 from gateway.deadlines import Timeouts, deadline_of
 from gateway.errors import APIError, api_error_from_backend, internal_error, public_error
 from gateway.metrics import RequestObserver
