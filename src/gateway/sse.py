@@ -162,6 +162,16 @@ class EventStreamResponse(Response):
             limited.close()
             await self._end(stalled)
 
+    def write_now(self, chunk: bytes) -> bool:
+        """Writes ``chunk`` straight to the connection if it takes it now (``DirectBody``: started, socket not
+        full, client there), from any callback on the loop while the response runs; False, and nothing written,
+        otherwise (and always under a server without ``DirectBody``): the chunk is then ``content``'s to yield."""
+        direct = self._direct
+        if direct is not None and direct(chunk):
+            self._last_write = self._clock()
+            return True
+        return False
+
     async def _write_frames(self, limited: SendLimit) -> None:
         """Every chunk of ``content``, each one write: straight to the connection when it takes it now
         (``gateway.connections.DirectBody``: started, socket not full, client there), else through ASGI's

@@ -6,6 +6,12 @@ then wait for more. Events that arrived together (one engine step, one network r
 loop was busy) therefore cost one write. The response (``gateway.sse``) writes each chunk straight to the socket
 when it takes it, else through ASGI's ``send``.
 
+When the backend's wait is a future (the engine backends': a request's next step) and the connection takes
+direct writes, the wait is not awaited: :class:`_Pusher` takes the batches from the future's callback, renders and
+writes them there, and wakes the task only for what needs it (the stream's end, an error, a chunk the socket did
+not take). Waking the task for every engine step cost more than rendering and writing the step's frame; the
+measurement is in docs/bench.md ("One batch contract").
+
 Starlette does not cancel a handler when its client goes away, so every wait that can be long (the first token,
 the next batch, a whole non-streamed completion) races against the ``http.disconnect`` message
 (``gateway.sse.DisconnectWatch``). When the client wins, the event stream is closed, which aborts the engine
@@ -16,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import aclosing
 from typing import Any, Protocol
 
@@ -25,7 +31,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from backends.errors import BackendError, SlowClientError
-from backends.interface import Deadline, Delta, Event, EventStream, Finish, PromptEcho, Usage, batches_of, interleave
+from backends.interface import (
+    BatchStream,
+    Deadline,
+    Delta,
+    Event,
+    EventStream,
+    Finish,
+    PromptEcho,
+    Usage,
+    batches_of,
+    interleave,
+)
 from gateway.deadlines import Timeouts, deadline_of
 from gateway.errors import APIError, api_error_from_backend, internal_error, public_error
 from gateway.metrics import RequestObserver
@@ -73,6 +90,64 @@ async def _first_events(events: AsyncIterator[Event], deadline: Deadline | None)
             return head
 
 
+class _Pusher:
+    """Writes a stream's batches from its wait's callbacks while the stream's task sleeps (see the module)."""
+
+    __slots__ = ("_batches", "_render", "_touch", "_wake", "_write")
+
+    def __init__(
+        self,
+        batches: BatchStream[Event],
+        render: Callable[[list[Event]], bytes],
+        write_now: Callable[[bytes], bool],
+        touch: Callable[[], None] | None,
+    ) -> None:
+        self._batches = batches
+        self._render = render
+        self._write = write_now
+        self._touch = touch  # an output came: the deadline's idle limit starts again
+        self._wake: asyncio.Future[tuple[bytes | None, BaseException | None]] | None = None
+
+    def park(self, more: asyncio.Future[None]) -> asyncio.Future[tuple[bytes | None, BaseException | None]]:
+        """What the task awaits instead of ``more``: done with a chunk the socket did not take (or None) and the
+        error or ``StopAsyncIteration`` that ended the stream (or None)."""
+        wake = self._wake = more.get_loop().create_future()
+        more.add_done_callback(self._more)
+        return wake
+
+    def stop(self) -> None:
+        """The task stopped waiting (cancelled, or woken): later callbacks do nothing."""
+        self._wake = None
+
+    def _more(self, _: object) -> None:
+        """The wait's callback: every ready batch rendered and written, then the next wait; never raises."""
+        wake = self._wake
+        if wake is None or wake.done():
+            return  # the task was cancelled (client gone, deadline) and ends the stream itself
+        chunks: list[bytes] = []
+        ended: BaseException | None = None
+        try:
+            while batch := self._batches.ready():
+                chunks.append(self._render(batch))
+        except BaseException as exc:  # the stream's end or its error, after the batches before it
+            ended = exc
+        unsent: bytes | None = b"".join(chunks) or None
+        if unsent is not None:
+            if self._touch is not None:
+                self._touch()
+            if self._write(unsent):
+                unsent = None
+        if unsent is None and ended is None:
+            more = self._batches.wait()
+            if isinstance(more, asyncio.Future):
+                more.add_done_callback(self._more)
+                return  # all written: the task sleeps on
+            if isinstance(more, Coroutine):
+                more.close()  # not a future: the task waits for it itself
+        self._wake = None
+        wake.set_result((unsent, ended))
+
+
 class _StreamBody:
     """The frames of one streamed request, and how its stream ended (``status`` None: it was interrupted)."""
 
@@ -87,6 +162,7 @@ class _StreamBody:
         "code",
         "status",
         "usage",
+        "write_now",
     )
 
     def __init__(
@@ -109,6 +185,8 @@ class _StreamBody:
         self.status: int | None = None
         self.code: str | None = None
         self.usage: Usage | None = None
+        self.write_now: Callable[[bytes], bool] | None = None
+        """The response's direct write (``EventStreamResponse.write_now``), set before the body runs."""
 
     async def frames(self, head: list[Event]) -> AsyncGenerator[bytes, None]:
         """The response body, written by one loop: the first token's frame at once, then each batch of events the
@@ -116,6 +194,9 @@ class _StreamBody:
         the first frame a failure can no longer be an HTTP status)."""
         batches = batches_of(self._events)
         deadline = self._deadline
+        pusher = None
+        if self.write_now is not None:
+            pusher = _Pusher(batches, self._render, self.write_now, deadline.touch if deadline is not None else None)
         tail: list[bytes] = []
         try:
             batch = head
@@ -124,10 +205,14 @@ class _StreamBody:
                     chunk = self._render(batch)
                     if chunk:
                         yield chunk
-                elif deadline is None:
-                    await batches.wait()
                 else:
-                    await deadline.bounded(batches.wait)
+                    unsent, ended = await self._wait(batches, pusher)
+                    if unsent is not None:
+                        yield unsent
+                    if isinstance(ended, StopAsyncIteration):
+                        break
+                    if ended is not None:
+                        raise ended
                 try:
                     batch = batches.ready()
                 except StopAsyncIteration:
@@ -140,6 +225,8 @@ class _StreamBody:
             self.code = "internal_error"
             tail.append(self._failed(internal_error(exc)))
         finally:
+            if pusher is not None:
+                pusher.stop()
             if deadline is not None:
                 deadline.close()
             await self._events.aclose()  # a cancelled stream (client gone) still aborts its backend's work
@@ -151,6 +238,22 @@ class _StreamBody:
             tail.append(self._wire.done_frame)
         if self.status is not None:
             yield b"".join(tail)
+
+    async def _wait(
+        self, batches: BatchStream[Event], pusher: _Pusher | None
+    ) -> tuple[bytes | None, BaseException | None]:
+        """Waits for the backend's next batch, within the deadline; with a pusher, while it writes the batches
+        that come, until it hands the stream back (a chunk it could not write, the stream's end or error)."""
+        more = batches.wait()
+        deadline = self._deadline
+        if pusher is not None and isinstance(more, asyncio.Future):
+            wake = pusher.park(more)
+            try:
+                return await (wake if deadline is None else deadline.bounded(lambda: wake))
+            finally:
+                pusher.stop()
+        await (more if deadline is None else deadline.bounded(lambda: more))
+        return None, None
 
     def _render(self, batch: list[Event]) -> bytes:
         """The frames of a batch of events, joined; a ``Usage`` (the last event) is kept for the stream's end."""
@@ -212,7 +315,7 @@ async def stream_response(
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it: the request just ends here
         raise
     body = _StreamBody(request, events, wire, observer, deadline, include_usage, on_complete)
-    return EventStreamResponse(
+    response = EventStreamResponse(
         body.frames(head),
         watch,
         body.record,
@@ -221,6 +324,8 @@ async def stream_response(
         ping_frame=wire.ping_frame,
         stall_timeout=timeouts.stall if timeouts else None,
     )
+    body.write_now = response.write_now
+    return response
 
 
 async def whole_response(
