@@ -5,13 +5,12 @@ behind their dispatcher, LMDeploy nodes): the gateway holds the queue, the backe
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from backends.config import AdmissionConfig
 from backends.interface import (
     NOT_OPENED,
     Backend,
-    BatchStream,
     CallTrace,
     Event,
     EventStream,
@@ -44,14 +43,16 @@ class _AdmittedEvents:
     by ``aclose``, after the backend's stream was closed (its work aborted): the consumer closes the stream when it
     ends, whichever way (``RoutedStream`` and ``interleave`` do)."""
 
-    __slots__ = ("_backend", "_batches", "_closed", "_events", "_gate", "_request", "_started")
+    __slots__ = ("_backend", "_closed", "_events", "_gate", "_request", "_started", "ready", "wait")
 
     def __init__(self, backend: Backend, gate: FlowController, request: GenerateRequest) -> None:
         self._backend = backend
         self._gate = gate
         self._request = request
         self._events: EventStream[Event] | None = None
-        self._batches: BatchStream[Event] = NOT_OPENED
+        # ``BatchStream``: the backend's stream's own methods once it gave its first event (no call of ours per batch)
+        self.ready: Callable[[], list[Event]] = NOT_OPENED.ready
+        self.wait: Callable[[], Awaitable[None]] = NOT_OPENED.wait
         self._started: float | None = None  # when the slot was taken
         self._closed = False
 
@@ -77,14 +78,10 @@ class _AdmittedEvents:
                 request.log.update(admission.log_fields())
         self._started = time.monotonic()
         events = self._events = self._backend.generate(self._request)
-        self._batches = batches_of(events)
-        return await events.__anext__()
-
-    def ready(self) -> list[Event]:
-        return self._batches.ready()
-
-    def wait(self) -> Awaitable[None]:
-        return self._batches.wait()
+        event = await events.__anext__()
+        batches = batches_of(events)  # taken after the first event: the stream's own batches exist from then on
+        self.ready, self.wait = batches.ready, batches.wait
+        return event
 
     async def aclose(self) -> None:
         if self._closed:

@@ -131,7 +131,7 @@ class _Pusher:
                 chunks.append(self._render(batch))
         except BaseException as exc:  # the stream's end or its error, after the batches before it
             ended = exc
-        unsent: bytes | None = b"".join(chunks) or None
+        unsent: bytes | None = (chunks[0] if len(chunks) == 1 else b"".join(chunks)) or None
         if unsent is not None:
             if self._touch is not None:
                 self._touch()

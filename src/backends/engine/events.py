@@ -23,7 +23,7 @@ from backends.engine.driver import Sink
 from backends.engine.prompts import ChatPrompt
 from backends.engine.protocol import EngineOutput
 from backends.errors import BackendError, InvalidRequestError, SlowClientError, UpstreamError
-from backends.interface import NOT_OPENED, BatchStream, Event, Finish, PromptEcho, PromptToken, Usage
+from backends.interface import NOT_OPENED, Event, Finish, PromptEcho, PromptToken, Usage
 
 INLINE_PROMPT_TOKENS = 512
 """Echoed prompts with logprobs longer than this are formatted on a worker thread (microseconds per token)."""
@@ -229,13 +229,16 @@ class EngineEvents:
     """The event stream ``EngineBackend.generate`` returns: ``open`` (prepare, add) on the first step, then the
     run's events; closing it aborts what the engine still runs for it."""
 
-    __slots__ = ("_batches", "_closed", "_open", "_run")
+    __slots__ = ("_closed", "_open", "_run", "ready", "wait")
 
     def __init__(self, open_run: Callable[[], Awaitable[EngineRun]]) -> None:
         self._open = open_run
         self._run: EngineRun | None = None
         self._closed = False
-        self._batches: BatchStream[Event] = NOT_OPENED  # the run, once the request is in the engine
+        # ``BatchStream``: the run's own methods once the request is in the engine, so a consumer's call goes
+        # straight to the run
+        self.ready: Callable[[], list[Event]] = NOT_OPENED.ready
+        self.wait: Callable[[], Awaitable[None]] = NOT_OPENED.wait
 
     def __aiter__(self) -> EngineEvents:
         return self
@@ -249,18 +252,12 @@ class EngineEvents:
             if self._closed:  # closed while it opened
                 run.close()
                 raise StopAsyncIteration
-            self._batches = run
+            self.ready, self.wait = run.ready, run.wait
         while True:
             event = run.next_event()
             if event is not None:
                 return event
             await run.wait()
-
-    def ready(self) -> list[Event]:
-        return self._batches.ready()
-
-    def wait(self) -> Awaitable[None]:
-        return self._batches.wait()
 
     async def aclose(self) -> None:
         self._closed = True

@@ -69,6 +69,7 @@ class RoutedStream:
         "_via",
         "_watching",
         "served_by",
+        "wait",
     )
 
     def __init__(
@@ -87,6 +88,8 @@ class RoutedStream:
         self._call: BackendCall | None = None
         self._inner: EventStream[Event] | None = None
         self._batches: BatchStream[Event] = NOT_OPENED
+        self.wait: Callable[[], Awaitable[None]] = NOT_OPENED.wait
+        """``BatchStream.wait``: the target's stream's own, once the request is committed to it."""
         self._done = False
         self._first_token_at: float | None = None
         self._watching = True
@@ -140,9 +143,6 @@ class RoutedStream:
             for event in batch:
                 self._watch(event)
         return batch
-
-    def wait(self) -> Awaitable[None]:
-        return self._batches.wait()
 
     async def aclose(self) -> None:
         """Ends the request early (client gone, deadline): the target's iterator is closed, aborting its work."""
@@ -212,6 +212,7 @@ class RoutedStream:
                 raise
             self._inner = inner
             self._batches = batches_of(inner)
+            self.wait = self._batches.wait
             target.breaker.answered()
             self._watch(event)
             return event
