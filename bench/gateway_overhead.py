@@ -8,7 +8,7 @@ Four ways to reach the same OpenAI-compatible upstream:
 - ``lmdeploy``: LMDeploy's own proxy (``lmdeploy serve proxy``) with the upstream registered as its node, run
   from the LMDeploy virtualenv the test harness builds once per machine (``tests/backends/lmdeploy/harness``);
 - ``gateway-VARIANT`` (``--stream-variants``): this gateway again, streaming through another primitive in place of
-  ``gateway/sse.py`` + ``gateway/bursts.py`` (``bench/stream_primitives.py``: Starlette's ``StreamingResponse`` plus
+  ``gateway/sse.py`` and its batches (``bench/stream_primitives.py``: Starlette's ``StreamingResponse`` plus
   a ping timer, or sse-starlette's ``EventSourceResponse``): is our own primitive worth its code?
 - ``litellm``: LiteLLM's proxy (``litellm --config``, one worker) with the upstream as an ``openai/`` model,
   installed in its own virtualenv under ``$DEEPINFER_GATEWAY_CACHE/litellm-venv`` (default

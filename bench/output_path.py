@@ -1,12 +1,12 @@
 """What the front end's Python costs per stream per engine step on the rank path, warm and after an idle gap.
 
-On the front-end CPU probe (64 streams x 256 tokens over two ranks) the gateway process is idle about four fifths of
+On the rank probe (64 streams x 256 tokens over two ranks) the gateway process is idle about four fifths of
 the time: every rank step wakes it for a millisecond or so, it turns the step's outputs into one frame per stream,
 and it sleeps again. This script runs that work alone, in process, with nothing else to disturb it: a reference
 backend's streams whose outputs are replayed (the engine's steps are fed to the requests' sinks, as the
-data-parallel driver does with a rank's step message) and read by the frame pusher that serves them in production
-(``gateway.frame_pusher``: events, frames of ``chat.completion.chunk``, the request's token count). The write to the
-client is left out (it is a system call whose cost is the kernel's): what is left is the Python per frame.
+data-parallel driver does with a rank's step message) and read as the streaming loop reads them in production
+(``gateway.streaming``: the ready batch of events, frames of ``chat.completion.chunk``, the request's token count).
+The write to the client and the stream task's wake-up are left out: what is left is the Python per frame.
 
 It reports the median time per stream per step twice: with the steps back to back (warm caches), and with the decode
 step's gap between them, the front end idling meanwhile as it does when serving. The difference is the cost of
@@ -30,10 +30,9 @@ from collections.abc import Callable, Sequence
 from backends.config import ReferenceBackendConfig
 from backends.engine.backend import EngineBackend
 from backends.engine.protocol import EngineOutput
-from backends.interface import Delta, GenerateRequest, SamplingOptions
+from backends.interface import BatchStream, Delta, Event, GenerateRequest, SamplingOptions
 from backends.reference.backend import build_reference_backend
-from gateway.frame_pusher import FramePusher
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, RequestObserver
 from gateway.openai.output import ChatFormat
 
 Sink = Callable[[int, Sequence[EngineOutput]], None]
@@ -50,10 +49,29 @@ class ReplayedSteps:
         self.sinks[request_id] = sink
 
 
-async def open_streams(backend: EngineBackend, replay: ReplayedSteps, count: int, tokens: list[int]) -> list[str]:
-    """``count`` streaming chat requests, each past its first token, with a frame pusher listening to it."""
+class Reader:
+    """One stream's side of a step: its ready batch rendered into frames, as ``gateway.streaming`` does."""
+
+    def __init__(self, events: BatchStream[Event], frames: ChatFormat, observer: RequestObserver) -> None:
+        self.events, self.frames, self.observer = events, frames, observer
+
+    def read(self) -> bytes:
+        rendered = []
+        for event in self.events.ready():
+            if type(event) is Delta:
+                self.observer.output(event.tokens, event.prompt_tokens)
+            frame = self.frames.frame(event)  # type: ignore[arg-type]
+            if frame is not None:
+                rendered.append(frame)
+        return b"".join(rendered)
+
+
+async def open_streams(
+    backend: EngineBackend, replay: ReplayedSteps, count: int, tokens: list[int]
+) -> list[tuple[str, Reader]]:
+    """``count`` streaming chat requests, each past its first token, with its reader."""
     metrics = GatewayMetrics()
-    ids = []
+    ids: list[tuple[str, Reader]] = []
     for number in range(count):
         request = GenerateRequest(
             request_id=f"bench-{number}",
@@ -64,7 +82,7 @@ async def open_streams(backend: EngineBackend, replay: ReplayedSteps, count: int
         )
         events = backend.generate(request)
         first = asyncio.ensure_future(events.__anext__())
-        while not (added := replay.sinks.keys() - set(ids)):
+        while not (added := replay.sinks.keys() - {engine_id for engine_id, _ in ids}):
             if first.done():
                 first.result()  # the request failed before it reached the engine
             await asyncio.sleep(0)
@@ -75,13 +93,9 @@ async def open_streams(backend: EngineBackend, replay: ReplayedSteps, count: int
             fed += 1
             await asyncio.sleep(0)
         assert isinstance(first.result(), Delta)
-        poller = events.poller()
-        assert poller is not None
         frames = ChatFormat(f"chatcmpl-{number}", 0, "bench", "fp_bench", 1)
         observer = metrics.observer("bench", backend.name, {})
-        pusher = FramePusher(poller, frames.frame, observer.output, lambda frame: True, None)
-        assert pusher.park()
-        ids.append(engine_id)
+        ids.append((engine_id, Reader(events, frames, observer)))  # type: ignore[arg-type]
     return ids
 
 
@@ -95,8 +109,9 @@ async def measure(streams: int, steps: int, tokens_per_step: int, gap: float) ->
         backend.driver.abort = lambda request_ids: None  # type: ignore[method-assign]
         assert backend.driver.engine is not None
         tokens = backend.driver.engine.tokenizer.encode(TEXT, add_special_tokens=False).ids
-        ids = await open_streams(backend, replay, streams, tokens)
-        sinks = [replay.sinks[engine_id] for engine_id in ids]
+        opened = await open_streams(backend, replay, streams, tokens)
+        ids = [engine_id for engine_id, _ in opened]
+        sinks = [(replay.sinks[engine_id], reader) for engine_id, reader in opened]
         batches = []
         for step in range(steps):
             first = 16 + step * tokens_per_step
@@ -117,8 +132,9 @@ async def measure(streams: int, steps: int, tokens_per_step: int, gap: float) ->
             if gap:
                 await asyncio.sleep(gap)
             started = time.perf_counter()
-            for sink, outputs in zip(sinks, batch, strict=True):
+            for (sink, reader), outputs in zip(sinks, batch, strict=True):
                 sink(0, outputs)
+                reader.read()
             per_stream.append((time.perf_counter() - started) / streams * 1e6)
         return per_stream
     finally:

@@ -1,13 +1,13 @@
-"""The gateway served with another streaming primitive in place of ``gateway/sse.py`` + ``gateway/bursts.py``, so
+"""The gateway served with another streaming primitive in place of ``gateway/sse.py`` and its batches, so
 ``bench/gateway_overhead.py --stream-variants`` can measure them interleaved with ours in one run.
 
 ``python bench/stream_primitives.py VARIANT serve --config FILE --port N`` swaps, in this process only, the
-response class and the event reader that ``gateway.streaming`` streams with, then runs the gateway's CLI. Nothing in
+response class and the batches that ``gateway.streaming`` streams with, then runs the gateway's CLI. Nothing in
 ``src`` reads it. Variants:
 
-- ``starlette``: Starlette's ``StreamingResponse`` plus a ping timer, one write per event (no burst reader): what
-  the streaming path would be written as without ``sse.py`` and ``bursts.py``;
-- ``starlette-bursts``: the same response with our burst reader, to tell the two effects apart;
+- ``starlette``: Starlette's ``StreamingResponse`` plus a ping timer, one write per event (no batches): what the
+  streaming path would be written as without ``sse.py`` and ``BatchStream``;
+- ``starlette-batches``: the same response with our batches, to tell the two effects apart;
 - ``sse-starlette``: sse-starlette's ``EventSourceResponse`` (its own pings and send timeout), one write per event;
   needs ``pip install sse-starlette`` in this environment (it is not a dependency of the project).
 
@@ -22,33 +22,15 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
+from backends.streams import OneByOne
 from gateway.sse import PING_FRAME, DisconnectWatch
 
-T = TypeVar("T")
-VARIANTS = ("starlette", "starlette-bursts", "sse-starlette")
-
-
-class EventByEventReader(Generic[T]):
-    """``BurstReader``'s interface with no look-ahead: every item is a plain ``await`` and its own write."""
-
-    __slots__ = ("_events",)
-
-    def __init__(self, events: AsyncIterator[T]) -> None:
-        self._events = events
-
-    def ready(self) -> T | None:
-        return None  # always "has to wait": the stream sends what it has, then awaits the next item
-
-    async def wait(self) -> T:
-        return await self._events.__anext__()
-
-    async def aclose(self) -> None:
-        await self._events.aclose()
+VARIANTS = ("starlette", "starlette-batches", "sse-starlette")
 
 
 class _StreamEnd:
@@ -195,17 +177,17 @@ def sse_starlette_response() -> type[Any]:
 
 
 def install(variant: str) -> None:
-    """Makes ``gateway.streaming`` stream with ``variant``'s response and reader, in this process."""
+    """Makes ``gateway.streaming`` stream with ``variant``'s response and batches, in this process."""
     import gateway.streaming as streaming
 
     if variant == "starlette":
         streaming.EventStreamResponse = StarletteEventStream
-        streaming.BurstReader = EventByEventReader
-    elif variant == "starlette-bursts":
+        streaming.batches_of = OneByOne  # every event is a plain ``await`` and its own write
+    elif variant == "starlette-batches":
         streaming.EventStreamResponse = StarletteEventStream
     elif variant == "sse-starlette":
         streaming.EventStreamResponse = sse_starlette_response()
-        streaming.BurstReader = EventByEventReader
+        streaming.batches_of = OneByOne
     else:
         raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
 

@@ -11,12 +11,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from backends.streams import EventPoller as EventPoller  # a stream's synchronous view
+from backends.cancellation import TaskCancel as TaskCancel  # the one cancellation ledger
+from backends.deadlines import Deadline as Deadline  # the one deadline mechanism
+from backends.deadlines import DeadlineExpired as DeadlineExpired
+from backends.streams import NOT_OPENED as NOT_OPENED  # a wrapper's batches before its inner stream opened
+from backends.streams import BatchStream as BatchStream  # a stream read a batch at a time
 from backends.streams import EventStream as EventStream  # what generate returns
-from backends.streams import PolledStream as PolledStream  # the streams that have one
+from backends.streams import batches_of as batches_of  # any stream's batches
 from backends.streams import conforms as conforms  # a cached isinstance for runtime-checkable protocols
 from backends.streams import interleave as interleave  # part of the surface: the gateway merges choices and prompts
-from backends.streams import poller_of as poller_of
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric

@@ -1,11 +1,11 @@
-"""Event streams: what ``generate`` returns, the synchronous view some offer (``PolledStream``), and running several
-at once (n choices, several prompts) as one."""
+"""Event streams: what ``generate`` returns, how a consumer reads one a batch at a time (``BatchStream``), and
+running several at once (n choices, several prompts) as one."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Protocol, TypeVar, cast, runtime_checkable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -22,31 +22,25 @@ class EventStream(Protocol[T_co]):
     def aclose(self) -> Awaitable[object]: ...
 
 
-class EventPoller(Protocol[T_co]):
-    """A stream's events as they are ready, without a coroutine per event: ``poll()`` returns the next event, or
-    None when none is ready yet, and raises ``StopAsyncIteration`` at the stream's end or the error that ends it.
-    The stream is still closed with its ``aclose``; after ``poll`` raised, it only raises ``StopAsyncIteration``.
-    ``arrival()`` is done once ``poll`` may have an event: already done when it may now (events can come while the
-    consumer, having seen None, writes what it had), else when one comes."""
-
-    def poll(self) -> T_co | None: ...
-
-    def arrival(self) -> Awaitable[None]: ...
-
-    def listen(self, listener: Callable[[], None] | None) -> bool:
-        """Calls ``listener`` synchronously each time an event may have become ready (where ``arrival`` would
-        complete), until ``listen(None)``; False, and nothing changes, if ``poll`` may have an event now or the
-        stream cannot notify this way (then use ``arrival``). The listener must not raise."""
-        ...
-
-
 @runtime_checkable
-class PolledStream(Protocol[T_co]):
-    """Optional capability of an event stream whose events wait in a local queue (the engine backends' steps):
-    ``poller()`` is its synchronous view, from the first event on, or None where it has none (yet). A consumer
-    that pulls many events (a stream's frames) then spends one call per event instead of an ``await`` chain."""
+class BatchStream(Protocol[T]):
+    """An event stream read a batch at a time: the one contract between a backend's stream and its consumer.
 
-    def poller(self) -> EventPoller[T_co] | None: ...
+    - ``ready()`` returns every event that is ready now, in order, without waiting: possibly none (``[]``). It
+      raises the stream's error, or ``StopAsyncIteration`` at its end, once the events before were returned.
+    - ``wait()`` is done once ``ready()`` may have more (at once, if events came meanwhile). It raises nothing but
+      a cancellation: errors come from ``ready()``.
+
+    So a consumer loops: take the ready batch, handle it, wait. The first event is taken with ``__anext__``, which
+    opens the stream (admission, routing's fallbacks); the batch methods read what follows, and the stream is still
+    closed with ``aclose``. A wrapper forwards both methods to its inner stream's batches (``batches_of``), looking
+    at each event of a batch if it must. A backend whose events wait in a local queue offers its own; any other
+    stream is read one event per wait (:class:`OneByOne`).
+    """
+
+    def ready(self) -> list[T]: ...
+
+    def wait(self) -> Awaitable[None]: ...
 
 
 _CONFORMS: dict[tuple[type, object], bool] = {}
@@ -63,9 +57,53 @@ def conforms(obj: object, protocol: object) -> bool:
     return known
 
 
-def poller_of(stream: object) -> EventPoller[T] | None:
-    """The stream's synchronous view, if it offers one now."""
-    return cast("PolledStream[T]", stream).poller() if conforms(stream, PolledStream) else None
+def batches_of(stream: EventStream[T]) -> BatchStream[T]:
+    """The stream's own batches if it offers them, else its events one per wait."""
+    if conforms(stream, BatchStream):
+        return cast("BatchStream[T]", stream)
+    return OneByOne(stream)
+
+
+class OneByOne(Generic[T]):
+    """A ``BatchStream`` over an event stream that has no batches of its own: each wait takes one event."""
+
+    __slots__ = ("_ended", "_events", "_held")
+
+    def __init__(self, events: EventStream[T]) -> None:
+        self._events = events
+        self._held: list[T] = []
+        self._ended: BaseException | None = None  # the error or StopAsyncIteration the stream ended with
+
+    def ready(self) -> list[T]:
+        held = self._held
+        if held:
+            self._held = []
+            return held
+        if self._ended is not None:
+            raise self._ended
+        return held
+
+    async def wait(self) -> None:
+        if self._held or self._ended is not None:
+            return
+        try:
+            self._held = [await self._events.__anext__()]
+        except Exception as exc:  # StopAsyncIteration included: ``ready`` raises it
+            self._ended = exc
+
+
+class _NotOpened:
+    """The batches of a stream whose first event was not taken yet: a consumer's mistake."""
+
+    def ready(self) -> list[Any]:
+        raise RuntimeError("take a stream's first event with __anext__ before reading its batches")
+
+    def wait(self) -> Awaitable[None]:
+        raise RuntimeError("take a stream's first event with __anext__ before reading its batches")
+
+
+NOT_OPENED: BatchStream[Any] = _NotOpened()
+"""What a wrapper's batches are until its inner stream opened."""
 
 
 async def interleave(streams: Sequence[EventStream[T]]) -> AsyncGenerator[tuple[int, T], None]:

@@ -5,18 +5,18 @@ behind their dispatcher, LMDeploy nodes): the gateway holds the queue, the backe
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from backends.config import AdmissionConfig
 from backends.interface import (
+    NOT_OPENED,
     Backend,
     CallTrace,
     Event,
-    EventPoller,
     EventStream,
     GenerateRequest,
     TraceValue,
-    poller_of,
+    batches_of,
     traced_stage,
 )
 from gateway.capabilities import WrappedBackend
@@ -39,17 +39,20 @@ class AdmittedBackend(WrappedBackend):
 
 class _AdmittedEvents:
     """A backend's events holding a slot of the gate: the first step waits for the slot and opens the backend's
-    stream; every later step is the backend's own (no wrapper per event). The slot is freed by ``aclose``, after
-    the backend's stream was closed (its work aborted): the consumer closes the stream when it ends, whichever
-    way (``RoutedStream`` and ``interleave`` do)."""
+    stream; every later step, one event or a batch, is the backend's own (no wrapper per event). The slot is freed
+    by ``aclose``, after the backend's stream was closed (its work aborted): the consumer closes the stream when it
+    ends, whichever way (``RoutedStream`` and ``interleave`` do)."""
 
-    __slots__ = ("_backend", "_closed", "_events", "_gate", "_request", "_started")
+    __slots__ = ("_backend", "_closed", "_events", "_gate", "_request", "_started", "ready", "wait")
 
     def __init__(self, backend: Backend, gate: FlowController, request: GenerateRequest) -> None:
         self._backend = backend
         self._gate = gate
         self._request = request
         self._events: EventStream[Event] | None = None
+        # ``BatchStream``: the backend's stream's own methods once it gave its first event (no call of ours per batch)
+        self.ready: Callable[[], list[Event]] = NOT_OPENED.ready
+        self.wait: Callable[[], Awaitable[None]] = NOT_OPENED.wait
         self._started: float | None = None  # when the slot was taken
         self._closed = False
 
@@ -75,12 +78,10 @@ class _AdmittedEvents:
                 request.log.update(admission.log_fields())
         self._started = time.monotonic()
         events = self._events = self._backend.generate(self._request)
-        return await events.__anext__()
-
-    def poller(self) -> EventPoller[Event] | None:
-        """The backend's stream's own, if it has one: the slot adds nothing per event."""
-        events = self._events
-        return poller_of(events) if events is not None and not self._closed else None
+        event = await events.__anext__()
+        batches = batches_of(events)  # taken after the first event: the stream's own batches exist from then on
+        self.ready, self.wait = batches.ready, batches.wait
+        return event
 
     async def aclose(self) -> None:
         if self._closed:

@@ -1,20 +1,28 @@
 """Running a backend's event stream for one HTTP request: SSE or a whole response, and client disconnects.
 
-Starlette does not cancel a handler when its client goes away, so every wait that can be long (the first
-token, a whole non-streamed completion) races against the ``http.disconnect`` message. When the client
-wins, the event iterator is closed, which aborts the engine request.
+A streamed request's body is one loop (:meth:`_StreamBody.frames`): take the batch of events the backend has
+ready (``backends.streams.BatchStream``), render it into one chunk of frames, hand it to the response to write,
+then wait for more. Events that arrived together (one engine step, one network read, outputs queued while the
+loop was busy) therefore cost one write. The response (``gateway.sse``) writes each chunk straight to the socket
+when it takes it, else through ASGI's ``send``.
 
-A stream's frames after the first are pulled in bursts (``gateway.bursts``), or, from a backend whose stream has a
-synchronous view (``backends.streams.PolledStream``), polled: one call per event. While such a stream waits, its
-frames are written as the backend's outputs arrive, with no task woken per frame (``gateway.frame_pusher``).
-Deadlines are ``gateway.deadlines``'.
+When the backend's wait is a future (the engine backends': a request's next step) and the connection takes
+direct writes, the wait is not awaited: :class:`_Pusher` takes the batches from the future's callback, renders and
+writes them there, and wakes the task only for what needs it (the stream's end, an error, a chunk the socket did
+not take). Waking the task for every engine step cost more than rendering and writing the step's frame; the
+measurement is in docs/bench.md ("One batch contract").
+
+Starlette does not cancel a handler when its client goes away, so every wait that can be long (the first token,
+the next batch, a whole non-streamed completion) races against the ``http.disconnect`` message
+(``gateway.sse.DisconnectWatch``). When the client wins, the event stream is closed, which aborts the engine
+request. Waits for the backend are bounded by the request's ``backends.deadlines.Deadline``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import aclosing
 from typing import Any, NamedTuple, Protocol
 
@@ -23,19 +31,26 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from backends.errors import BackendError, SlowClientError
-from backends.interface import Delta, Event, EventPoller, EventStream, Finish, PromptEcho, Usage, interleave, poller_of
-from gateway.bursts import BurstReader
-from gateway.deadlines import Deadline, Expiry, Timeouts, WaitDeadline, next_event
+from backends.interface import (
+    BatchStream,
+    Deadline,
+    Delta,
+    Event,
+    EventStream,
+    Finish,
+    PromptEcho,
+    Usage,
+    batches_of,
+    interleave,
+)
+from gateway.deadlines import Timeouts, deadline_of
 from gateway.errors import APIError, api_error_from_backend, internal_error, public_error
-from gateway.frame_pusher import FramePusher
 from gateway.metrics import RequestObserver
 from gateway.sse import DisconnectWatch, EventStreamResponse
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 SLOW_CLIENT_STATUS = 408  # logged for a stream stopped because its client did not read
-MAX_BURST = 64
-"""Frames written to a client in one send at most, when that many were ready at once."""
 
 
 Completion = Callable[[Usage | None], Awaitable[None]]
@@ -63,16 +78,19 @@ class Serving(NamedTuple):
     """How a response presents itself: its wire format and headers, which name the backend that serves it. Built
     once the first event is in, when no fallback can take the request over any more."""
 
-    fmt: WireFormat
+    wire: WireFormat
     headers: dict[str, str]
 
 
-async def _first_token_events(events: AsyncIterator[Event], deadline: Deadline | None) -> list[Event]:
+async def _first_events(events: AsyncIterator[Event], deadline: Deadline | None) -> list[Event]:
     """Pulls events up to and including the first that carries output, so the first frame is real."""
     head: list[Event] = []
     while True:
         try:
-            event = await next_event(events, deadline)
+            if deadline is None:
+                event = await anext(events)
+            else:
+                event = await deadline.bounded(events.__anext__)
         except StopAsyncIteration:
             return head
         head.append(event)
@@ -80,29 +98,205 @@ async def _first_token_events(events: AsyncIterator[Event], deadline: Deadline |
             return head
 
 
-class _Outcome:
-    """How a stream ended, as far as its frames generator knows; ``None`` status: it was interrupted."""
+class _Pusher:
+    """Writes a stream's batches from its wait's callbacks while the stream's task sleeps (see the module)."""
 
-    __slots__ = ("code", "status", "usage")
+    __slots__ = ("_batches", "_render", "_touch", "_wake", "_write")
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        batches: BatchStream[Event],
+        render: Callable[[list[Event]], bytes],
+        write_now: Callable[[bytes], bool],
+        touch: Callable[[], None] | None,
+    ) -> None:
+        self._batches = batches
+        self._render = render
+        self._write = write_now
+        self._touch = touch  # an output came: the deadline's idle limit starts again
+        self._wake: asyncio.Future[tuple[bytes | None, BaseException | None]] | None = None
+
+    def park(self, more: asyncio.Future[None]) -> asyncio.Future[tuple[bytes | None, BaseException | None]]:
+        """What the task awaits instead of ``more``: done with a chunk the socket did not take (or None) and the
+        error or ``StopAsyncIteration`` that ended the stream (or None)."""
+        wake = self._wake = more.get_loop().create_future()
+        more.add_done_callback(self._more)
+        return wake
+
+    def stop(self) -> None:
+        """The task stopped waiting (cancelled, or woken): later callbacks do nothing."""
+        self._wake = None
+
+    def _more(self, _: object) -> None:
+        """The wait's callback: every ready batch rendered and written, then the next wait; never raises."""
+        wake = self._wake
+        if wake is None or wake.done():
+            return  # the task was cancelled (client gone, deadline) and ends the stream itself
+        chunks: list[bytes] = []
+        ended: BaseException | None = None
+        try:
+            while batch := self._batches.ready():
+                chunks.append(self._render(batch))
+        except BaseException as exc:  # the stream's end or its error, after the batches before it
+            ended = exc
+        unsent: bytes | None = (chunks[0] if len(chunks) == 1 else b"".join(chunks)) or None
+        if unsent is not None:
+            if self._touch is not None:
+                self._touch()
+            if self._write(unsent):
+                unsent = None
+        if unsent is None and ended is None:
+            more = self._batches.wait()
+            if isinstance(more, asyncio.Future):
+                more.add_done_callback(self._more)
+                return  # all written: the task sleeps on
+            if isinstance(more, Coroutine):
+                more.close()  # not a future: the task waits for it itself
+        self._wake = None
+        wake.set_result((unsent, ended))
+
+
+class _StreamBody:
+    """The frames of one streamed request, and how its stream ended (``status`` None: it was interrupted)."""
+
+    __slots__ = (
+        "_deadline",
+        "_events",
+        "_include_usage",
+        "_observer",
+        "_on_complete",
+        "_request",
+        "_wire",
+        "code",
+        "status",
+        "usage",
+        "write_now",
+    )
+
+    def __init__(
+        self,
+        request: Request,
+        events: EventStream[Event],
+        wire: WireFormat,
+        observer: RequestObserver,
+        deadline: Deadline | None,
+        include_usage: bool,
+        on_complete: Completion | None,
+    ) -> None:
+        self._request = request
+        self._events = events
+        self._wire = wire
+        self._observer = observer
+        self._deadline = deadline
+        self._include_usage = include_usage
+        self._on_complete = on_complete
         self.status: int | None = None
         self.code: str | None = None
         self.usage: Usage | None = None
+        self.write_now: Callable[[bytes], bool] | None = None
+        """The response's direct write (``EventStreamResponse.write_now``), set before the body runs."""
 
+    async def frames(self, head: list[Event]) -> AsyncGenerator[bytes, None]:
+        """The response body, written by one loop: the first token's frame at once, then each batch of events the
+        backend has ready as one chunk, then a wait for more; at last the stream's end, or an error frame (after
+        the first frame a failure can no longer be an HTTP status)."""
+        batches = batches_of(self._events)
+        deadline = self._deadline
+        pusher = None
+        if self.write_now is not None:
+            pusher = _Pusher(batches, self._render, self.write_now, deadline.touch if deadline is not None else None)
+        tail: list[bytes] = []
+        try:
+            batch = head
+            while True:
+                if batch:
+                    chunk = self._render(batch)
+                    if chunk:
+                        yield chunk
+                else:
+                    unsent, ended = await self._wait(batches, pusher)
+                    if unsent is not None:
+                        yield unsent
+                    if isinstance(ended, StopAsyncIteration):
+                        break
+                    if ended is not None:
+                        raise ended
+                try:
+                    batch = batches.ready()
+                except StopAsyncIteration:
+                    break
+            self.status = 200
+        except BackendError as exc:
+            tail.append(self._failed(api_error_from_backend(exc)))
+        except Exception as exc:
+            logger.exception("stream of request %s failed after its first frame", self._request.state.request_id)
+            self.code = "internal_error"
+            tail.append(self._failed(internal_error(exc)))
+        finally:
+            if pusher is not None:
+                pusher.stop()
+            if deadline is not None:
+                deadline.close()
+            await self._events.aclose()  # a cancelled stream (client gone) still aborts its backend's work
+        if self.status == 200:
+            tail.append(self._wire.end_frames(self.usage, self._include_usage))
+            if self._on_complete is not None:
+                await self._on_complete(self.usage)
+        elif self.status is not None and self._wire.done_frame is not None:
+            tail.append(self._wire.done_frame)
+        if self.status is not None:
+            yield b"".join(tail)
 
-def _record(observer: RequestObserver, outcome: _Outcome, stalled: bool) -> None:
-    """Counts a stream once it is over, whichever way it ended."""
-    usage = outcome.usage
-    if stalled:
-        observer.stalled("send_timeout")
-        observer.finish(SLOW_CLIENT_STATUS, usage, "stream_stalled")
-    elif outcome.status is None:  # the client went away (or the server is stopping and cancelled the stream)
-        observer.finish(CLIENT_CLOSED_REQUEST, usage, "client_disconnected")
-    else:
-        if outcome.code == SlowClientError.code:
-            observer.stalled("buffer_full")
-        observer.finish(outcome.status, usage, outcome.code)
+    async def _wait(
+        self, batches: BatchStream[Event], pusher: _Pusher | None
+    ) -> tuple[bytes | None, BaseException | None]:
+        """Waits for the backend's next batch, within the deadline; with a pusher, while it writes the batches
+        that come, until it hands the stream back (a chunk it could not write, the stream's end or error)."""
+        more = batches.wait()
+        deadline = self._deadline
+        if pusher is not None and isinstance(more, asyncio.Future):
+            wake = pusher.park(more)
+            try:
+                return await (wake if deadline is None else deadline.bounded(lambda: wake))
+            finally:
+                pusher.stop()
+        await (more if deadline is None else deadline.bounded(lambda: more))
+        return None, None
+
+    def _render(self, batch: list[Event]) -> bytes:
+        """The frames of a batch of events, joined; a ``Usage`` (the last event) is kept for the stream's end."""
+        frames: list[bytes] = []
+        output, frame_of = self._observer.output, self._wire.frame
+        for event in batch:
+            kind = type(event)
+            if kind is Delta:
+                output(event.tokens, event.prompt_tokens)  # type: ignore[union-attr]
+            elif kind is Usage:
+                self.usage = event  # type: ignore[assignment]
+                continue
+            frame = frame_of(event)  # type: ignore[arg-type]
+            if frame is not None:
+                frames.append(frame)
+        return frames[0] if len(frames) == 1 else b"".join(frames)
+
+    def _failed(self, error: APIError) -> bytes:
+        self.status = error.status
+        if self.code is None:
+            self.code = error.code or error.type
+        return self._wire.error_frame(public_error(error, self._request))
+
+    def record(self, stalled: bool) -> None:
+        """Counts the stream once it is over, whichever way it ended (``EventStreamResponse``'s ``on_end``)."""
+        observer, usage = self._observer, self.usage
+        if stalled:
+            observer.stalled("send_timeout")
+            observer.finish(SLOW_CLIENT_STATUS, usage, "stream_stalled")
+        elif self.status is None:  # the client went away (or the server is stopping and cancelled the stream)
+            observer.finish(CLIENT_CLOSED_REQUEST, usage, "client_disconnected")
+        else:
+            if self.code == SlowClientError.code:
+                observer.stalled("buffer_full")
+            observer.finish(self.status, usage, self.code)
 
 
 async def stream_response(
@@ -119,126 +313,26 @@ async def stream_response(
     """SSE response. Errors before the first token are plain HTTP errors; any later failure is an error frame
     followed by ``[DONE]``. A client that leaves cancels the request's task wherever it waits (``DisconnectWatch``),
     and the event iterator is closed, which aborts the backend's work."""
-    deadline = Deadline(timeouts) if timeouts else None
+    deadline = deadline_of(timeouts)
     watch = DisconnectWatch(request.receive)
     try:
-        head = await _first_token_events(events, deadline)
+        head = await _first_events(events, deadline)
     except BaseException as exc:
         if await _ended_early(watch, events, observer, exc):
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it: the request just ends here
         raise
-    fmt, headers = serving()
-    outcome = _Outcome()
-
-    async def frames() -> AsyncGenerator[bytes, None]:
-        """The response body: every frame the backend had ready goes out in one send (a burst), so events that
-        arrived together (one network read, a step's outputs queued while the loop was busy) cost one write."""
-
-        def render(event: Event) -> bytes | None:
-            if isinstance(event, Usage):  # the last event: its frame goes out with the stream's end
-                outcome.usage = event
-                return None
-            if isinstance(event, Delta):
-                observer.output(event.tokens, event.prompt_tokens)
-            return fmt.frame(event)
-
-        reader = BurstReader(events)
-        waits = WaitDeadline(deadline) if deadline is not None else None
-        output, frame_of = observer.output, fmt.frame
-        burst: list[bytes] = []
-        event: Event | None
-        pusher: FramePusher | None = None
-        try:
-            for event in head:  # the first token goes out at once
-                frame = render(event)
-                if frame is not None:
-                    burst.append(frame)
-            if burst:
-                yield b"".join(burst)
-                burst.clear()
-            # From here on, a stream that has a synchronous view (the engine backends') is polled: one call per
-            # event, where an await goes through every wrapper's coroutine.
-            poller: EventPoller[Event] | None = poller_of(events)
-            if poller is not None:
-                poll, arrival = poller.poll, poller.arrival
-                if response.writes_now:  # and while it waits, the frames are written as the outputs come
-                    touch = deadline.touch if deadline is not None else None
-                    pusher = FramePusher(poller, frame_of, output, response.write_now, touch)
-            while True:
-                try:
-                    if poller is not None:
-                        event = poll()
-                        if event is None:  # the backend has nothing more for now: send what it had, then wait
-                            if burst:
-                                yield burst[0] if len(burst) == 1 else b"".join(burst)
-                                burst.clear()
-                                continue  # more may have come while it was sent
-                            if pusher is None or not pusher.park():
-                                await (arrival() if waits is None else waits.wait(arrival))
-                                continue
-                            parked = pusher.parked
-                            unsent, handed, raised = await (parked() if waits is None else waits.wait(parked))
-                            if unsent is not None:  # the connection did not take them at once: sent through ASGI
-                                burst.append(unsent)
-                            if raised is not None:  # the stream's end or its error, as ``poll`` raised it
-                                raise raised
-                            if handed is None:
-                                continue
-                            event = handed
-                    else:
-                        event = reader.ready()
-                        if event is None:  # the same, for a stream without a synchronous view
-                            if burst:
-                                yield burst[0] if len(burst) == 1 else b"".join(burst)
-                                burst.clear()
-                            event = await (reader.wait() if waits is None else waits.wait(reader.wait))
-                except StopAsyncIteration:
-                    outcome.status = 200
-                    break
-                if type(event) is Delta:  # the common event, rendered here: no call of ``render`` per frame
-                    output(event.tokens, event.prompt_tokens)
-                    frame = frame_of(event)
-                else:
-                    frame = render(event)
-                if frame is not None:
-                    burst.append(frame)
-                    if len(burst) >= MAX_BURST:
-                        yield b"".join(burst)
-                        burst.clear()
-        except BackendError as exc:
-            error = api_error_from_backend(exc)
-            outcome.status, outcome.code = error.status, error.code or error.type
-            burst.append(fmt.error_frame(public_error(error, request)))
-        except Exception as exc:
-            logger.exception("stream of request %s failed after its first frame", request.state.request_id)
-            outcome.status, outcome.code = 500, "internal_error"
-            error = internal_error(exc)
-            burst.append(fmt.error_frame(public_error(error, request)))
-        finally:
-            if pusher is not None:
-                pusher.stop()
-            if waits is not None:
-                waits.close()
-            # A cancelled stream still aborts its backend work: the cancellation was spent at the pending await.
-            await reader.aclose()
-        if outcome.status == 200:
-            burst.append(fmt.end_frames(outcome.usage, include_usage))
-            if on_complete is not None:
-                await on_complete(outcome.usage)
-        elif outcome.status is not None and fmt.done_frame is not None:
-            burst.append(fmt.done_frame)
-        if outcome.status is not None and burst:
-            yield b"".join(burst)
-
+    wire, headers = serving()
+    body = _StreamBody(request, events, wire, observer, deadline, include_usage, on_complete)
     response = EventStreamResponse(
-        frames(),
+        body.frames(head),
         watch,
-        lambda stalled: _record(observer, outcome, stalled),
+        body.record,
         headers=headers,
         ping_seconds=ping_seconds,
-        ping_frame=fmt.ping_frame,
+        ping_frame=wire.ping_frame,
         stall_timeout=timeouts.stall if timeouts else None,
     )
+    body.write_now = response.write_now
     return response
 
 
@@ -252,46 +346,44 @@ async def whole_response(
     timeouts: Timeouts | None = None,
     on_complete: Completion | None = None,
 ) -> Response:
-    deadline = Deadline(timeouts) if timeouts else None
+    """A whole JSON response, its events collected within the request's deadline."""
+    deadline = deadline_of(timeouts)
 
     served: Serving | None = None  # once the first event is in
 
     async def collect() -> Usage | None:
         nonlocal served
         usage = None
-        fmt: WireFormat | None = None
+        wire: WireFormat | None = None
         async for event in events:
             if deadline is not None:
-                deadline.last = deadline.loop.time()  # the idle part of the deadline restarts at each event
+                deadline.touch()
             if isinstance(event, Usage):
                 usage = event
             else:
                 if isinstance(event, Delta):
                     observer.output(event.tokens, event.prompt_tokens)
-                if fmt is None:
+                if wire is None:
                     served = serving()
-                    fmt = served.fmt
-                fmt.add(event)
+                    wire = served.wire
+                wire.add(event)
         return usage
-
-    async def collectwithin() -> Usage | None:
-        if deadline is None:
-            return await collect()
-        async with Expiry(deadline):
-            return await collect()
 
     watch = DisconnectWatch(request.receive)
     try:
-        usage = await collectwithin()
+        usage = await (collect() if deadline is None else deadline.bounded(collect))
     except BaseException as exc:
         if await _ended_early(watch, events, observer, exc):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         raise
+    finally:
+        if deadline is not None:
+            deadline.close()
     watch.close()
     await events.aclose()
     if served is None:  # no output at all
         served = serving()
-    body = orjson.dumps(served.fmt.response(usage, want_logprobs))
+    body = orjson.dumps(served.wire.response(usage, want_logprobs))
     if on_complete is not None:
         await on_complete(usage)
     observer.finish(200, usage)

@@ -1,13 +1,14 @@
-"""interleave: several streams as one, and every stream closed however the merged one ends."""
+"""interleave: several streams as one, and every stream closed however the merged one ends; the batch contract's
+adapter for streams without batches of their own."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 
-from backends.streams import interleave
+from backends.streams import NOT_OPENED, OneByOne, batches_of, interleave
 
 
 class Tracked:
@@ -49,3 +50,59 @@ async def test_closing_the_merged_stream_early_closes_every_stream() -> None:
     await anext(merged)
     await merged.aclose()
     assert a.closed and b.closed
+
+
+# --- the batch contract ---------------------------------------------------------------------------------------------
+
+
+async def test_a_stream_without_batches_of_its_own_is_read_one_event_per_wait() -> None:
+    source = Tracked([1, 2, 3])
+    batches = batches_of(source.run())
+    assert isinstance(batches, OneByOne)
+    got: list[int] = []
+    while True:
+        try:
+            batch = batches.ready()
+        except StopAsyncIteration:
+            break
+        got.extend(batch)
+        if not batch:
+            await batches.wait()
+    assert got == [1, 2, 3]
+
+
+async def test_one_by_one_raises_the_stream_s_error_from_ready_never_from_wait() -> None:
+    batches = batches_of(Tracked([1, 2], fail_after=1).run())
+    await batches.wait()
+    assert batches.ready() == [1]
+    await batches.wait()  # the error is held, not raised here
+    with pytest.raises(ValueError, match="stream failed"):
+        batches.ready()
+
+
+async def test_a_stream_with_batches_of_its_own_is_its_own_batches() -> None:
+    class OwnBatches:
+        """TEST DOUBLE of a backend's stream that offers batches."""
+
+        def ready(self) -> list[int]:
+            return [1, 2]
+
+        def wait(self) -> Awaitable[None]:
+            return asyncio.sleep(0)
+
+        def __aiter__(self) -> OwnBatches:
+            return self
+
+        async def __anext__(self) -> int:
+            raise StopAsyncIteration
+
+        async def aclose(self) -> None:
+            pass
+
+    stream = OwnBatches()
+    assert batches_of(stream) is stream
+
+
+async def test_a_wrapper_s_batches_before_its_stream_opened_are_a_mistake_said_plainly() -> None:
+    with pytest.raises(RuntimeError, match="first event"):
+        NOT_OPENED.ready()

@@ -10,10 +10,10 @@ import orjson
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.streaming import MAX_BURST
 
 from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway, wait_until
 
+MAX_BURST = 64  # tokens a stream that held frames back to fill a batch would wait for
 STEP = 0.05  # seconds per decode step: MAX_BURST steps take 3.2 s, far longer than a frame takes to arrive
 
 

@@ -114,3 +114,39 @@ def test_a_stream_that_goes_quiet_gets_pings_and_then_its_remaining_frames(node:
     assert pings and data[0] < pings[0] < data[1], "no ping while the upstream was quiet"
     text = "".join(orjson.loads(lines[i][6:])["choices"][0]["delta"].get("content") or "" for i in data)
     assert text.startswith("one two three")
+
+
+@pytest.fixture(scope="module")
+def read_limited(node: HarnessNode) -> Iterator[RunningGateway]:
+    """No gateway idle limit: only the LMDeploy backend's own silence limit (``read_timeout``) can end a stream."""
+    config = GatewayConfig(
+        backends=[
+            {
+                "name": "lm",
+                "kind": "lmdeploy",
+                "urls": [node.url],
+                "api_key": API_KEY,
+                "max_model_len": 512,
+                "read_timeout": 1.0,
+            }
+        ],
+        models=[{"name": MODEL, "backends": ["lm"], "circuit_breaker": {"failure_threshold": 1000}}],
+    )
+    config.server.idle_timeout = None
+    running = start_gateway(config)
+    yield running
+    stop_gateway(running)
+
+
+def test_an_upstream_quiet_past_the_backend_s_read_timeout_ends_the_stream_and_is_cancelled(
+    read_limited: RunningGateway, node: HarnessNode
+) -> None:
+    body = _chat("one two three [[stub pause=60 pause_after=1 tag=quiet-read]]", stream=True)
+    with httpx.stream("POST", f"{read_limited.base_url}/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert orjson.loads(data[0])["choices"], "tokens flowed before the upstream went quiet"
+    error = orjson.loads(data[-2])["error"]
+    assert error["code"] == "timeout", error
+    assert wait_until(lambda: node.events(event="cancel", tag="quiet-read"), timeout=15)

@@ -21,12 +21,11 @@ class OutputBuffer:
     client does. ``limit`` ``None`` means no bound.
     """
 
-    __slots__ = ("_items", "_limit", "_listener", "_loop", "_on_overflow", "_waiter", "overflowed", "tokens")
+    __slots__ = ("_items", "_limit", "_loop", "_on_overflow", "_waiter", "overflowed", "tokens")
 
     def __init__(self, limit: int | None, on_overflow: Callable[[], None]) -> None:
         self._items: deque[Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._listener: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the stream's loop, looked up once (not per wait)
         self._limit = limit
         self._on_overflow = on_overflow
@@ -49,10 +48,6 @@ class OutputBuffer:
                 )
                 self._on_overflow()
         self._items.append((index, item))
-        listener = self._listener
-        if listener is not None:
-            listener()
-            return
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -68,11 +63,6 @@ class OutputBuffer:
         if not isinstance(item, BackendError):
             self.tokens -= len(item)
         return index, item
-
-    def listen(self, listener: Callable[[], None] | None) -> None:
-        """Calls ``listener`` after each put, right there (on the loop, inside the driver's dispatch), until
-        ``listen(None)``; an ``arrival()`` future is not completed meanwhile. The listener must not raise."""
-        self._listener = listener
 
     def arrival(self) -> asyncio.Future[None]:
         """Done once an item waits: at once if one does (it may have come since the caller's last ``pop``, while

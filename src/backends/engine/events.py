@@ -2,11 +2,10 @@
 prompt echoes and the usage.
 
 ``EngineEvents`` is what ``EngineBackend.generate`` returns: an async iterator whose first step prepares the
-prompt and adds the request to the engine (``EngineBackend._open``), and a ``PolledStream`` from then on. Its
-``EngineRun`` does the work of each event synchronously: ``poll()`` takes the next outputs from the buffer and
-returns an event, or None while the engine has sent nothing new (``arrival()`` says when it has). A stream's
-frames are pulled through ``poll`` with no coroutine per event (issue 23); ``__anext__`` is the same loop for
-every other consumer.
+prompt and adds the request to the engine (``EngineBackend._open``), and a ``BatchStream`` from then on. Its
+``EngineRun`` does the work of each event synchronously: ``ready()`` turns every output waiting in the buffer into
+events, ``wait()`` is the buffer's next arrival. A streamed request therefore costs one wake-up per engine step,
+not one coroutine chain per event; ``__anext__`` is the same work one event at a time for every other consumer.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from backends.engine.driver import Sink
 from backends.engine.prompts import ChatPrompt
 from backends.engine.protocol import EngineOutput
 from backends.errors import BackendError, InvalidRequestError, SlowClientError, UpstreamError
-from backends.interface import Event, EventPoller, Finish, PromptEcho, PromptToken, Usage
+from backends.interface import NOT_OPENED, Event, Finish, PromptEcho, PromptToken, Usage
 
 INLINE_PROMPT_TOKENS = 512
 """Echoed prompts with logprobs longer than this are formatted on a worker thread (microseconds per token)."""
@@ -42,6 +41,7 @@ class EngineRun:
         "_echoed",
         "_ended",
         "_engine_ids",
+        "_failed",
         "_job",
         "_live",
         "_outputs",
@@ -88,6 +88,7 @@ class EngineRun:
         self._prompt_unreported = True
         self._cached: list[int | None] = [None] * len(engine_ids)  # each choice's cached prompt tokens
         self._ended = False
+        self._failed: BaseException | None = None  # what ends the stream, after the batch ``ready`` returned
         self._job: tuple[int, Sequence[EngineOutput], asyncio.Future[list[PromptToken]]] | None = None
         self._pending: deque[Event] = deque()
         if echo_text is not None and not scoring:  # the echo needs nothing from the engine: it goes first
@@ -98,8 +99,30 @@ class EngineRun:
         """Where the driver puts the engine requests' outputs (choice index, outputs or error)."""
         return self._outputs.put
 
-    def poll(self) -> Event | None:
-        """The next event, None while the engine has sent nothing new (see ``EventPoller``)."""
+    def ready(self) -> list[Event]:
+        """Every event the outputs received so far make (see ``BatchStream``)."""
+        batch: list[Event] = []
+        try:
+            while (event := self.next_event()) is not None:
+                batch.append(event)
+        except BaseException as exc:
+            if not batch:
+                raise
+            self._failed = exc  # the events before it go out first
+        return batch
+
+    def wait(self) -> Awaitable[None]:
+        """Done once ``ready`` may have something: the next outputs, or a scored prompt formatted."""
+        job = self._job
+        if job is None:
+            return self._outputs.arrival()
+        return _settled(job[2])
+
+    def next_event(self) -> Event | None:
+        """The next event, None while the engine has sent nothing new; raises as ``ready`` does."""
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
         pending = self._pending
         try:
             while not pending:
@@ -124,26 +147,11 @@ class EngineRun:
             raise
         return pending.popleft()
 
-    def arrival(self) -> Awaitable[None]:
-        """Done once ``poll`` may have something: the next outputs, or a scored prompt formatted."""
-        job = self._job
-        if job is None:
-            return self._outputs.arrival()
-        return _settled(job[2])
-
-    def listen(self, listener: Callable[[], None] | None) -> bool:
-        """``EventPoller.listen``: refused while ``poll`` has something, or waits for a scored prompt's format."""
-        if listener is not None and (self._pending or self._job is not None or self._ended):
-            return False
-        self._outputs.listen(listener)
-        return True
-
     def close(self) -> None:
-        """Ends the run: its engine requests still running are aborted and ``poll`` ends the stream."""
+        """Ends the run: its engine requests still running are aborted and ``ready`` ends the stream."""
         self._remaining = 0
         self._ended = True
         self._pending.clear()
-        self._outputs.listen(None)
         if self._job is not None:
             self._job[2].cancel()
             self._job = None
@@ -225,12 +233,16 @@ class EngineEvents:
     """The event stream ``EngineBackend.generate`` returns: ``open`` (prepare, add) on the first step, then the
     run's events; closing it aborts what the engine still runs for it."""
 
-    __slots__ = ("_closed", "_open", "_run")
+    __slots__ = ("_closed", "_open", "_run", "ready", "wait")
 
     def __init__(self, open_run: Callable[[], Awaitable[EngineRun]]) -> None:
         self._open = open_run
         self._run: EngineRun | None = None
         self._closed = False
+        # ``BatchStream``: the run's own methods once the request is in the engine, so a consumer's call goes
+        # straight to the run
+        self.ready: Callable[[], list[Event]] = NOT_OPENED.ready
+        self.wait: Callable[[], Awaitable[None]] = NOT_OPENED.wait
 
     def __aiter__(self) -> EngineEvents:
         return self
@@ -244,15 +256,12 @@ class EngineEvents:
             if self._closed:  # closed while it opened
                 run.close()
                 raise StopAsyncIteration
+            self.ready, self.wait = run.ready, run.wait
         while True:
-            event = run.poll()
+            event = run.next_event()
             if event is not None:
                 return event
-            await run.arrival()
-
-    def poller(self) -> EventPoller[Event] | None:
-        """The run, once the request is in the engine."""
-        return self._run if not self._closed else None
+            await run.wait()
 
     async def aclose(self) -> None:
         self._closed = True
@@ -261,7 +270,7 @@ class EngineEvents:
 
 
 async def _settled(job: asyncio.Future[list[PromptToken]]) -> None:
-    """Waits for ``job`` without raising its error: that comes from ``poll``."""
+    """Waits for ``job`` without raising its error: that comes from ``ready``."""
     await asyncio.wait([job])
 
 

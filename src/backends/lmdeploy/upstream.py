@@ -1,6 +1,6 @@
 """One choice's request to one LMDeploy node: send it, read its SSE into events (chunks of one network read go
-on as one event), time it out (first byte, silence, deadline), and release its connection to the pool or close it
-(LMDeploy then cancels the engine request)."""
+on as one event), time it out (first byte, silence, deadline: each a ``backends.deadlines.Deadline`` over the reads
+from the node), and release its connection to the pool or close it (LMDeploy then cancels the engine request)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import aiohttp
 import orjson
 
 from backends.config import LMDeployBackendConfig
+from backends.deadlines import Deadline, DeadlineExpired
 from backends.errors import BackendTimeoutError
 from backends.interface import Delta, Finish, GenerateRequest
 from backends.lmdeploy.errors import UpstreamFailure, failure_from_status, node_failure
@@ -36,37 +37,21 @@ class ChoiceDone(NamedTuple):
     cached_tokens: int = 0  # of the prompt, the node's prefix-cache hits as it reported them (0 if it did not)
 
 
-class StreamWatchdog:
-    """Closes a streaming response that stays silent too long or outlives its deadline.
+class _Connection:
+    """The node's response to one choice, and whether it was read to its end (then it goes back to the pool)."""
 
-    One timer per request, re-armed lazily: a chunk only records the time it arrived, so the hot path costs one
-    clock read. Closing the response (instead of cancelling the task) never interrupts the gateway's own code.
-    """
+    __slots__ = ("complete", "response")
 
-    __slots__ = ("_deadline", "_handle", "_idle", "_loop", "_response", "fired", "since")
+    def __init__(self) -> None:
+        self.response: aiohttp.ClientResponse | None = None
+        self.complete = False
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, response: aiohttp.ClientResponse, idle: float, deadline: float):
-        self._loop = loop
-        self._response = response
-        self._idle = idle
-        self._deadline = deadline
-        self.since = loop.time()
-        self.fired: str | None = None
-        self._handle = loop.call_at(min(self.since + idle, deadline), self._check)
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        if now >= self._deadline:
-            self.fired = "deadline"
-        elif now >= self.since + self._idle:
-            self.fired = "idle"
-        else:
-            self._handle = self._loop.call_at(min(self.since + self._idle, self._deadline), self._check)
-            return
-        self._response.close()
-
-    def cancel(self) -> None:
-        self._handle.cancel()
+    def close(self) -> None:
+        if self.response is not None:
+            if self.complete:
+                self.response.release()
+            else:
+                self.response.close()  # LMDeploy sees the disconnect and cancels the engine request
 
 
 class UpstreamClient:
@@ -86,12 +71,10 @@ class UpstreamClient:
     ) -> AsyncGenerator[Delta | Finish | ChoiceDone, None]:
         """Choice ``index`` of ``request`` from ``node``: its events, then its ``ChoiceDone``; raises
         ``UpstreamFailure`` (retryable or not) when the node fails it."""
-        session = self._session
         loop = asyncio.get_running_loop()
         upstream_model = model or node.model or ""
         if node.kind == "proxy":
             plan = plan.via_proxy()
-        body = orjson.dumps(plan.body_for(index, upstream_model))
         stream = ChoiceStream(
             index,
             chat=plan.chat,
@@ -104,40 +87,74 @@ class UpstreamClient:
         started = loop.time()
         # The gateway's own request deadline needs nothing here: it closes the event iterator, which closes this
         # upstream stream. This bound is the backend's own (``total_timeout``).
-        deadline = started + self._config.total_timeout if self._config.total_timeout else float("inf")
+        end = started + self._config.total_timeout if self._config.total_timeout else None
         headers = self._headers
         if request.trace is not None:  # the upstream request joins the client's trace
             headers = {**headers, **request.trace.headers()}
             request.trace.annotate("gateway.lmdeploy.node", node.url)
+        body = orjson.dumps(plan.body_for(index, upstream_model))
         node.in_flight += 1
         node.requests += 1
-        response: aiohttp.ClientResponse | None = None
-        watchdog: StreamWatchdog | None = None
-        complete = False
+        connection = _Connection()
         try:
-            try:
-                async with asyncio.timeout_at(min(started + self._first_byte_timeout, deadline)):
-                    response = await session.post(
-                        node.url + plan.path, data=body, headers=headers, timeout=self._request_timeout
-                    )
-                    if response.status != 200:
-                        failure = failure_from_status(response.status, await _bounded_body(response), node.url)
-                        if node.kind == "proxy" and failure.kind == "model":
-                            failure = proxy_lost_model(failure.error.message, node.url)
-                        raise failure
-                    reader = SSEReader(response.content, node=node.url)
-                    payload = await reader.next()
-            except TimeoutError:
-                raise timeout_failure(node, "first byte", loop.time() >= deadline, retryable=True) from None
-            except aiohttp.ClientConnectorError as exc:
-                raise node_failure(f"cannot connect to LMDeploy node {node.url}: {exc}", kind="connect") from exc
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                raise node_failure(f"LMDeploy node {node.url} closed the connection: {exc!r}", kind="stale") from exc
-            except aiohttp.ClientError as exc:
-                raise node_failure(f"LMDeploy node {node.url} failed: {exc!r}", kind="disconnect") from exc
+            reader, payload = await self._first_payload(node, plan.path, body, headers, connection, end)
             node.first_byte_seconds += loop.time() - started
             node.first_byte_count += 1
-            watchdog = StreamWatchdog(loop, response, self._config.read_timeout, deadline)
+            reads = Deadline(None, self._config.read_timeout, end=end)
+            async for event in self._relay(node, stream, reader, payload, reads, connection):
+                yield event
+            yield await self._choice_done(node, request, plan, stream, upstream_model, connection)
+        finally:
+            node.in_flight -= 1
+            node.request_seconds += loop.time() - started
+            node.request_count += 1
+            connection.close()
+
+    async def _first_payload(
+        self, node: Node, path: str, body: bytes, headers: dict[str, str], connection: _Connection, end: float | None
+    ) -> tuple[SSEReader, bytes | None]:
+        """Sends the request and reads the first payload of its stream, within the first-byte timeout."""
+        first_byte = Deadline(None, self._first_byte_timeout, end=end)
+
+        async def first() -> tuple[SSEReader, bytes | None]:
+            response = connection.response = await self._session.post(
+                node.url + path, data=body, headers=headers, timeout=self._request_timeout
+            )
+            if response.status != 200:
+                failure = failure_from_status(response.status, await _bounded_body(response), node.url)
+                if node.kind == "proxy" and failure.kind == "model":
+                    failure = proxy_lost_model(failure.error.message, node.url)
+                raise failure
+            reader = SSEReader(response.content, node=node.url)
+            return reader, await reader.next()
+
+        try:
+            return await first_byte.bounded(first)
+        except DeadlineExpired as exc:
+            raise timeout_failure(node, "first byte", exc.total, retryable=True) from None
+        except TimeoutError:  # aiohttp's own connect timeout
+            raise timeout_failure(node, "first byte", first_byte.expired().total, retryable=True) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise node_failure(f"cannot connect to LMDeploy node {node.url}: {exc}", kind="connect") from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            raise node_failure(f"LMDeploy node {node.url} closed the connection: {exc!r}", kind="stale") from exc
+        except aiohttp.ClientError as exc:
+            raise node_failure(f"LMDeploy node {node.url} failed: {exc!r}", kind="disconnect") from exc
+        finally:
+            first_byte.close()
+
+    async def _relay(
+        self,
+        node: Node,
+        stream: ChoiceStream,
+        reader: SSEReader,
+        payload: bytes | None,
+        deadline: Deadline,
+        connection: _Connection,
+    ) -> AsyncGenerator[Delta | Finish, None]:
+        """The choice's events, read from the node's stream until ``[DONE]``; each read bounded by the idle
+        timeout (restarted when the read starts, so the client's own slowness never counts) and the deadline."""
+        try:
             while payload is not None and payload != DONE:
                 events = stream.feed(payload)
                 payload = reader.ready()  # chunks of the same network read go on as one event
@@ -154,53 +171,43 @@ class UpstreamClient:
                 if failed is not None:
                     raise failed
                 if stream.stopped_early:
-                    break
-                watchdog.since = loop.time()
-                if payload is not None:
-                    continue
-                try:
-                    payload = await reader.next()
-                except aiohttp.ClientError as exc:
-                    if watchdog.fired:
-                        raise timeout_failure(node, "next chunk", watchdog.fired == "deadline") from exc
-                    message = f"LMDeploy node {node.url} broke the stream: {exc!r}"
-                    raise node_failure(message, kind="disconnect") from exc
-            if not stream.stopped_early:
-                if payload is None:  # the body ended without [DONE]
-                    if watchdog.fired:
-                        raise timeout_failure(node, "next chunk", watchdog.fired == "deadline")
-                    if not stream.finished:
-                        raise node_failure(f"LMDeploy node {node.url} ended the stream early", kind="disconnect")
-                elif not stream.finished:
-                    message = f"LMDeploy node {node.url} ended the stream without a finish reason"
-                    raise node_failure(message, kind="protocol")
-                else:
-                    await reader.drain()  # the chunked terminator: then the connection goes back to the pool
-                    complete = True
-            prompt_tokens: int | None
-            if stream.usage is not None and not (stream.stopped_early and plan.chat):
-                prompt_tokens, completion_tokens = stream.usage
-            else:
-                completion_tokens = stream.tokens
-                prompt_tokens = stream.usage[0] if stream.usage else None
-                if prompt_tokens is None and plan.chat and node.kind != "proxy":  # a proxy has no count_tokens
-                    if response is not None:
-                        response.close()  # stop the engine before asking the node to count
-                    prompt_tokens = await self.count_prompt_tokens(node, request, upstream_model)
-            reasoning_tokens = None if stream.stopped_early else stream.reasoning_tokens
-            cached_tokens = min(stream.cached_tokens, prompt_tokens or 0)
-            yield ChoiceDone(index, prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens)
+                    return
+                if payload is None:
+                    payload = await _next_payload(node, reader, deadline)
         finally:
-            node.in_flight -= 1
-            node.request_seconds += loop.time() - started
-            node.request_count += 1
-            if watchdog is not None:
-                watchdog.cancel()
-            if response is not None:
-                if complete:
-                    response.release()
-                else:
-                    response.close()  # LMDeploy sees the disconnect and cancels the engine request
+            deadline.close()
+        if payload is None:  # the body ended without [DONE]
+            if not stream.finished:
+                raise node_failure(f"LMDeploy node {node.url} ended the stream early", kind="disconnect")
+        elif not stream.finished:
+            message = f"LMDeploy node {node.url} ended the stream without a finish reason"
+            raise node_failure(message, kind="protocol")
+        else:
+            await reader.drain()  # the chunked terminator: then the connection goes back to the pool
+            connection.complete = True
+
+    async def _choice_done(
+        self,
+        node: Node,
+        request: GenerateRequest,
+        plan: UpstreamPlan,
+        stream: ChoiceStream,
+        model: str,
+        connection: _Connection,
+    ) -> ChoiceDone:
+        """The choice's token counts; a chat the gateway ended at a stop string has its prompt counted by the node."""
+        prompt_tokens: int | None
+        if stream.usage is not None and not (stream.stopped_early and plan.chat):
+            prompt_tokens, completion_tokens = stream.usage
+        else:
+            completion_tokens = stream.tokens
+            prompt_tokens = stream.usage[0] if stream.usage else None
+            if prompt_tokens is None and plan.chat and node.kind != "proxy":  # a proxy has no count_tokens
+                connection.close()  # stop the engine before asking the node to count
+                prompt_tokens = await self.count_prompt_tokens(node, request, model)
+        reasoning_tokens = None if stream.stopped_early else stream.reasoning_tokens
+        cached_tokens = min(stream.cached_tokens, prompt_tokens or 0)
+        return ChoiceDone(stream.index, prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens)
 
     async def count_prompt_tokens(self, node: Node, request: GenerateRequest, model: str) -> int | None:
         """Prompt tokens of a chat the gateway ended at a stop string (LMDeploy reports usage only at the end).
@@ -232,6 +239,17 @@ class UpstreamClient:
             logger.warning("lmdeploy node %s: counting prompt tokens failed: %r", node.url, exc)
             return None
         return counted if isinstance(counted, int) else None
+
+
+async def _next_payload(node: Node, reader: SSEReader, deadline: Deadline) -> bytes | None:
+    """The stream's next payload (None at the body's end), within ``deadline``."""
+    deadline.touch()
+    try:
+        return await deadline.bounded(reader.next)
+    except DeadlineExpired as exc:
+        raise timeout_failure(node, "next chunk", exc.total) from None
+    except aiohttp.ClientError as exc:
+        raise node_failure(f"LMDeploy node {node.url} broke the stream: {exc!r}", kind="disconnect") from exc
 
 
 def timeout_failure(node: Node, what: str, deadline: bool, *, retryable: bool = False) -> UpstreamFailure:

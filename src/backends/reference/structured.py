@@ -233,7 +233,9 @@ class StructuredOutputs:
         with self._lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    tokenizer_within_vocab(self._tokenizer, self.vocab_size), n_vocab=self.vocab_size, eos_token=self.eos
+                    tokenizer_within_vocab(self._tokenizer, self.vocab_size),
+                    n_vocab=self.vocab_size,
+                    eos_token=self.eos,
                 )
             return self._ll_tokenizer
 

@@ -6,8 +6,9 @@ The first event is the commit point. Until a target produced it, nothing can hav
 fallback. After it, a failure ends the request (an error frame on a stream): never a second answer.
 
 Accounting happens once at the start and once at the end of a request (in-flight count, breaker, latency
-window); per event there is one extra method call and, until the first token, one type check. A traced request
-has a span per attempt (``gateway.tracing.BackendCall``), which also sees every event.
+window); per batch of events there is one extra method call and, until the first token, one type check per event.
+A traced request has a span per attempt (``gateway.tracing.BackendCall``), which also sees every event, as does a
+mirrored request's shadow comparison.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from backends.errors import (
     ModelNotFoundError,
     OverloadedError,
 )
-from backends.interface import Backend, Delta, Event, EventPoller, EventStream, GenerateRequest, poller_of
+from backends.interface import NOT_OPENED, Backend, BatchStream, Delta, Event, EventStream, GenerateRequest, batches_of
 from gateway.routing.shadow import CANCELLED, FAILED, OK, ShadowPair
 from gateway.routing.targets import Target
 
@@ -51,23 +52,24 @@ class RoutedStream:
     """The async iterator of events the gateway streams for one request (see the module docstring)."""
 
     __slots__ = (
+        "_batches",
+        "_breaker_trial",
         "_call",
         "_done",
         "_factory",
         "_first_token_at",
-        "_held",
+        "_holds_in_flight",
         "_inner",
-        "_inner_poll",
-        "_pair",
-        "_probe",
         "_request",
         "_routes",
+        "_shadow",
         "_started",
         "_target",
         "_tried",
         "_via",
         "_watching",
         "served_by",
+        "wait",
     )
 
     def __init__(
@@ -76,24 +78,26 @@ class RoutedStream:
         target: Target,
         via: str,
         factory: EventFactory,
-        pair: ShadowPair | None,
+        shadow: ShadowPair | None,
         request: GenerateRequest | None = None,
     ) -> None:
         self._routes = routes
         self._factory = factory
-        self._pair = pair
+        self._shadow = shadow
         self._request = request
         self._call: BackendCall | None = None
         self._inner: EventStream[Event] | None = None
-        self._inner_poll: EventPoller[Event] | None = None
+        self._batches: BatchStream[Event] = NOT_OPENED
+        self.wait: Callable[[], Awaitable[None]] = NOT_OPENED.wait
+        """``BatchStream.wait``: the target's stream's own, once the request is committed to it."""
         self._done = False
         self._first_token_at: float | None = None
         self._watching = True
         self._started = time.perf_counter()
         self._tried: list[Target] = []
         self._target = target
-        self._held = False
-        self._probe = False
+        self._holds_in_flight = False
+        self._breaker_trial = False  # the request is the breaker's trial of a target it had opened
         self.served_by: Callable[[Backend], None] | None = None
         """Called when a fallback target takes over, so the response can name the backend that served it."""
         self._send_to(target, via)
@@ -125,37 +129,20 @@ class RoutedStream:
             self._watch(event)
         return event
 
-    def poller(self) -> EventPoller[Event] | None:
-        """The target's synchronous view of its events (``PolledStream``), once the request is committed to it and
-        nothing here needs to see each event (the first token was seen, no shadow, no trace); else None."""
-        inner = self._inner
-        if inner is None or self._done or self._watching:
-            return None
-        inner_poll = self._inner_poll = poller_of(inner)
-        return self if inner_poll is not None else None
-
-    def poll(self) -> Event | None:
-        """``EventPoller.poll`` of the target's view, ending the request here as ``__anext__`` does."""
-        inner = self._inner_poll
-        assert inner is not None, "poll() before poller()"
+    def ready(self) -> list[Event]:
+        """``BatchStream.ready`` of the target's stream, ending the request here as ``__anext__`` does."""
         try:
-            return inner.poll()
+            batch = self._batches.ready()
         except StopAsyncIteration:
             self._end(None)  # the target's stream is closed by the consumer's aclose, which frees its slot
             raise
         except BaseException as exc:
             self._end(exc)
             raise
-
-    def arrival(self) -> Awaitable[None]:
-        inner = self._inner_poll
-        assert inner is not None, "arrival() before poller()"
-        return inner.arrival()
-
-    def listen(self, listener: Callable[[], None] | None) -> bool:
-        inner = self._inner_poll
-        assert inner is not None, "listen() before poller()"
-        return inner.listen(listener)
+        if self._watching:
+            for event in batch:
+                self._watch(event)
+        return batch
 
     async def aclose(self) -> None:
         """Ends the request early (client gone, deadline): the target's iterator is closed, aborting its work."""
@@ -175,9 +162,9 @@ class RoutedStream:
         self._via = via
         self._tried.append(target)
         target.load.in_flight += 1
-        self._held = True
+        self._holds_in_flight = True
         target.requests += 1
-        self._probe = target.breaker.acquire()
+        self._breaker_trial = target.breaker.acquire()
         counter = target.routed.get(via)
         if counter is None:
             counter = target.routed[via] = self._routes.metrics.routed.labels(target.model, target.name, via)
@@ -187,8 +174,8 @@ class RoutedStream:
         while True:
             target = self._target
             self._started = time.perf_counter()
-            if self._pair is not None:
-                self._pair.primary.started = self._started
+            if self._shadow is not None:
+                self._shadow.primary.started = self._started
             inner: EventStream[Event] | None = None
             tracing = self._routes.tracing
             call = self._call = tracing.backend_call(target.backend, self._request, self._via) if tracing else None
@@ -224,14 +211,16 @@ class RoutedStream:
                     await inner.aclose()
                 raise
             self._inner = inner
+            self._batches = batches_of(inner)
+            self.wait = self._batches.wait
             target.breaker.answered()
             self._watch(event)
             return event
 
     def _release(self) -> None:
         """Gives the target's in-flight slot back, once, whichever way the request ends."""
-        if self._held:
-            self._held = False
+        if self._holds_in_flight:
+            self._holds_in_flight = False
             self._target.load.in_flight -= 1
 
     def _failed_before_first_event(self, target: Target, exc: BackendError) -> None:
@@ -240,35 +229,35 @@ class RoutedStream:
             target.breaker.failed()
             target.failures += 1
             self._routes.metrics.target_failures.labels(target.model, target.name, "before_first_event").inc()
-        elif self._probe:
+        elif self._breaker_trial:
             target.breaker.released()
-        self._probe = False
+        self._breaker_trial = False
 
     def _abandon_before_start(self) -> None:
         self._release()
-        if self._probe:
+        if self._breaker_trial:
             self._target.breaker.released()
-            self._probe = False
+            self._breaker_trial = False
         self._finish_unserved(CANCELLED)
 
     def _finish_unserved(self, outcome: str) -> None:
         self._done = True
-        if self._pair is not None:
-            self._pair.primary_ended(outcome, self._target.name)
+        if self._shadow is not None:
+            self._shadow.primary_ended(outcome, self._target.name)
 
     # ---- after the first event -----------------------------------------------------------------------------
 
     def _watch(self, event: Event) -> None:
         """Until the first token (for the latency window), and for mirrored or traced requests."""
-        pair = self._pair
+        shadow = self._shadow
         if self._first_token_at is None and type(event) is Delta:
             self._first_token_at = time.perf_counter()
-        if pair is not None:
-            pair.primary.observe(event)
+        if shadow is not None:
+            shadow.primary.observe(event)
         call = self._call
         if call is not None:
             call.observe(event)
-        self._watching = pair is not None or call is not None or self._first_token_at is None
+        self._watching = shadow is not None or call is not None or self._first_token_at is None
 
     def _end(self, exc: BaseException | None) -> None:
         if self._done:
@@ -292,5 +281,5 @@ class RoutedStream:
                 self._routes.metrics.target_failures.labels(target.model, target.name, "mid_stream").inc()
         else:
             outcome = CANCELLED
-        if self._pair is not None:
-            self._pair.primary_ended(outcome, target.name)
+        if self._shadow is not None:
+            self._shadow.primary_ended(outcome, target.name)

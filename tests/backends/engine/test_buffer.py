@@ -62,20 +62,3 @@ async def test_arrival_is_done_at_once_when_an_item_came_since_the_last_pop() ->
     assert arrival.done()
     entry = buffer.pop()
     assert entry is not None and isinstance(entry[1], SlowClientError)
-
-
-async def test_a_listener_hears_every_put_until_it_is_removed_and_no_arrival_is_needed_meanwhile() -> None:
-    buffer = OutputBuffer(None, lambda: None)
-    heard: list[int] = []
-    buffer.listen(lambda: heard.append(buffer.tokens))
-    buffer.put(0, step(2))
-    buffer.put(0, step(3))
-    assert heard == [2, 5]  # called right in the put, after the item is queued
-    buffer.listen(None)
-    arrival = buffer.arrival()
-    assert arrival.done()  # items wait: nothing to wait for
-    buffer.pop()
-    buffer.pop()
-    arrival = buffer.arrival()
-    buffer.put(1, step(1))
-    assert heard == [2, 5] and arrival.done()

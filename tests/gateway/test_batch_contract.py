@@ -1,0 +1,113 @@
+"""The batch contract at the backend seam (``backends.streams.BatchStream``): every wrapper between a backend's
+stream and the streaming loop (the engine's events, admission, routing) forwards ``ready`` and ``wait``, so a
+stream's events after its first are read a batch at a time, never one coroutine chain per event.
+
+A wrapper that dropped the methods would not break a response on its own: the loop would read it one event per
+wait (``OneByOne``) and every answer would still be right, only slower. So the streamed requests here run on the
+real reference engine behind the real admission and routing wrappers, with one test double in between whose stream
+refuses to be read one event at a time past its first: a wrapper above it that does not forward the batch methods
+fails the request."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Iterator
+
+import openai
+import pytest
+
+from backends.interface import Backend, BatchStream, Event, EventStream, GenerateRequest
+from backends.registry import build_backend
+from gateway.admission import AdmittedBackend, admitted
+from gateway.capabilities import WrappedBackend
+from gateway.config import GatewayConfig
+
+from ..conftest import MODEL, RunningGateway, start_gateway, stop_gateway
+
+SHADOWED = "shadowed"  # a model whose requests are mirrored: routing then looks at every event of every batch
+
+
+class BatchesOnlyBackend(WrappedBackend):
+    """TEST DOUBLE around the real reference backend: its streams serve their first event through ``__anext__``
+    and every later one only through ``ready``/``wait``, and count the events their batches carried."""
+
+    __slots__ = ("batched",)
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend)
+        self.batched = 0
+
+    def generate(self, request: GenerateRequest) -> EventStream[Event]:
+        return BatchesOnlyEvents(self.inner.generate(request), self)
+
+
+class BatchesOnlyEvents:
+    """TEST DOUBLE stream of ``BatchesOnlyBackend``."""
+
+    def __init__(self, events: EventStream[Event], owner: BatchesOnlyBackend) -> None:
+        self._events = events
+        self._batches: BatchStream[Event] = events  # type: ignore[assignment]  # the engine's: it has batches
+        self._owner = owner
+        self._opened = False
+
+    def __aiter__(self) -> BatchesOnlyEvents:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._opened:
+            raise AssertionError("read one event at a time past its first: a wrapper dropped the batch methods")
+        self._opened = True
+        return await self._events.__anext__()
+
+    def ready(self) -> list[Event]:
+        batch = self._batches.ready()
+        self._owner.batched += len(batch)
+        return batch
+
+    def wait(self) -> Awaitable[None]:
+        return self._batches.wait()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
+@pytest.fixture(scope="module")
+def batches_gateway() -> Iterator[tuple[RunningGateway, BatchesOnlyBackend]]:
+    config = GatewayConfig(
+        backends=[
+            {"name": "reference", "kind": "reference", "max_in_flight": 8},
+            {"name": "mirror", "kind": "reference"},
+        ],
+        models=[
+            {"name": MODEL, "backends": ["reference"]},
+            {"name": SHADOWED, "backends": ["reference"], "shadow": {"backend": "mirror", "fraction": 1.0}},
+        ],
+    )
+    double = BatchesOnlyBackend(build_backend(config.backends[0]))
+    gate = admitted(double, config.backends[0])
+    assert isinstance(gate, AdmittedBackend), "the admission wrapper is part of what is proved here"
+    running = start_gateway(config, backends={"reference": gate, "mirror": build_backend(config.backends[1])})
+    yield running, double
+    stop_gateway(running)
+
+
+@pytest.mark.parametrize("model", [MODEL, SHADOWED])
+def test_a_streamed_answer_after_its_first_token_comes_through_every_wrapper_s_batches(
+    batches_gateway: tuple[RunningGateway, BatchesOnlyBackend], model: str
+) -> None:
+    running, double = batches_gateway
+    client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    before = double.batched
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "go on"}],
+            max_tokens=48,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 48
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert double.batched - before >= 2, "the events after the first (the finish and the usage at least) were batched"
