@@ -48,7 +48,7 @@ async def test_chat_streams_text_deltas_then_finish_then_exact_usage(node: Harne
         events = await collect(backend, chat("Hello world! The quick brown fox"))
     assert text_of(events) == "Hello world! The quick brown fox"
     deltas = [e for e in events if isinstance(e, Delta)]
-    # one delta per network read of the node's stream (test_bursts.py), never an empty one
+    # one delta per network read of the node's stream (test_stream_bursts.py), never an empty one
     assert deltas and all(d.text for d in deltas)
     assert isinstance(events[-2], Finish) and events[-2].reason == "stop" and events[-2].matched_stop is None
     usage = events[-1]
