@@ -29,7 +29,7 @@ from starlette.datastructures import Headers
 
 from backends.interface import Delta, Event, Finish, GenerateRequest, Usage
 from gateway.config import ModelConfig
-from gateway.router import ModelRouter
+from gateway.routing.model_router import ModelRouter
 
 EVENTS = 64  # events per request in the per-event measurement
 RESULTS = Path(__file__).resolve().parent / "results" / "routing_cost.json"

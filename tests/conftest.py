@@ -29,8 +29,8 @@ from backends.interface import Backend
 from gateway.app import create_app
 from gateway.capabilities import unwrapped
 from gateway.config import GatewayConfig
+from gateway.gateway_state import GatewayState
 from gateway.server import gateway_server
-from gateway.state import GatewayState
 
 from .conformance import OpenAISchemas
 from .waiting import wait_ready, wait_until

@@ -138,16 +138,16 @@ def test_the_gateway_never_probes_a_backend_for_attributes() -> None:
 
 def test_the_rule_sees_imports_inside_functions_and_relative_ones() -> None:
     """The walker itself: a lazy import and a relative one are both found, and judged by where they lead."""
-    probe = SRC / "gateway" / "routes" / "layers_probe.py"  # never written: its source is given
+    probe = SRC / "gateway" / "endpoints" / "layers_probe.py"  # never written: its source is given
     source = "def f():\n    from backends.engine.driver import DriverStats\nfrom ..capabilities import capability\n"
     found = {item.line: item for item in _imports(probe, source)}
-    assert found[2] == Import("gateway.routes.layers_probe", "backends.engine.driver.DriverStats", 2)
-    assert found[3] == Import("gateway.routes.layers_probe", "gateway.capabilities.capability", 3)
+    assert found[2] == Import("gateway.endpoints.layers_probe", "backends.engine.driver.DriverStats", 2)
+    assert found[3] == Import("gateway.endpoints.layers_probe", "gateway.capabilities.capability", 3)
     assert _beyond_surface(found[2]) and not _beyond_surface(found[3])
 
 
 def test_the_probe_rule_sees_getattr_on_a_backend_and_forwarding() -> None:
-    probe = SRC / "gateway" / "routes" / "layers_probe.py"  # never written: its source is given
+    probe = SRC / "gateway" / "endpoints" / "layers_probe.py"  # never written: its source is given
     source = (
         "def f(backend, request):\n"
         "    getattr(request.state, 'log', None)\n"

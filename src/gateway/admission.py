@@ -115,7 +115,7 @@ async def _acquire_traced(
                 attributes[f"gateway.admission.{name}"] = value
 
 
-def admitted(
+def behind_flow_control(
     backend: Backend,
     config: AdmissionConfig,
     *,

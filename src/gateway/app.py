@@ -17,7 +17,7 @@ from starlette.types import ASGIApp
 from backends.interface import Backend
 from backends.registry import BackendKindUnavailableError, build_backend
 from gateway import __version__
-from gateway.admission import admitted
+from gateway.admission import behind_flow_control
 from gateway.anthropic.signatures import signer_for
 from gateway.auth import ApiKeyMiddleware, key_label
 from gateway.batches import routes as batches
@@ -25,8 +25,10 @@ from gateway.batches.runner import BatchRunner
 from gateway.batches.store import open_batch_store
 from gateway.bodies import JSONBodyParser
 from gateway.config import GatewayConfig
+from gateway.endpoints import admin, generate, messages, models, operations, tokenize
 from gateway.errors import install_error_handlers
 from gateway.flow_control import FlowMetrics, KeyTiers
+from gateway.gateway_state import GatewayState
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import (
@@ -43,10 +45,8 @@ from gateway.middleware import (
 )
 from gateway.responses import route as responses
 from gateway.responses.store import StoredResponses, open_response_store
-from gateway.router import ModelRouter
-from gateway.routes import admin, generate, messages, models, operations, tokenize
-from gateway.state import GatewayState
-from gateway.state_store import SharedStateStore
+from gateway.routing.model_router import ModelRouter
+from gateway.shared_store import SharedStateStore
 from gateway.tracing_config import TracingConfig
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def _built_backends(
     for backend_config in config.backends:
         try:
             backend = build_backend(backend_config)
-            built[backend_config.name] = admitted(
+            built[backend_config.name] = behind_flow_control(
                 backend, backend_config, weights=key_tiers.weights, metrics=flow_metrics
             )
         except BackendKindUnavailableError as exc:

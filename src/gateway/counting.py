@@ -36,9 +36,9 @@ from backends.interface import (
     has_image_parts,
 )
 from gateway.capabilities import capability
+from gateway.gateway_state import GatewayState
 from gateway.metrics import RequestCost
 from gateway.pipeline import key_limits, route, within_limits
-from gateway.state import GatewayState
 
 
 class Counted(NamedTuple):

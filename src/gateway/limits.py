@@ -15,7 +15,7 @@ while the store is down, each of a host's N front-end processes allows 1/N of ev
 backend (a slot, and the order of those waiting for one) is ``gateway.flow_control``'s.
 
 The rules live here, away from any one API's routes: every API that generates (chat, completions, Responses, and
-any other) admits with ``admitted`` and hands the reservation to its ``RequestObserver``, whose end settles it.
+any other) admits with ``reserved`` and hands the reservation to its ``RequestObserver``, whose end settles it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from gateway.budgets import BudgetStore, Clock, Draw, LocalBudgets, RedisBudgets
 from gateway.errors import APIError
 from gateway.metrics import RequestCost
 from gateway.server_config import ApiKeyConfig, ServerConfig
-from gateway.state_store import SharedStateStore
+from gateway.shared_store import SharedStateStore
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class KeyLimits:
 
 
 @contextlib.asynccontextmanager
-async def admitted(
+async def reserved(
     request: Request,
     limits: KeyLimits,
     max_tokens: int | None,

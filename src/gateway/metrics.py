@@ -20,7 +20,7 @@ from gateway.capabilities import GatedBackend, capability
 
 if TYPE_CHECKING:
     from backends.interface import Backend, Usage
-    from gateway.state_store import SharedStateStore
+    from gateway.shared_store import SharedStateStore
 
 TTFT_BUCKETS = (
     0.001,

@@ -8,7 +8,7 @@ A route module (chat, completions, Messages, Responses) validates its API's body
 1. limits (``within_limits``): the key's request and token budgets admit the request and reserve its tokens
    (``gateway.limits``); whichever way it ends, what it used is settled.
 2. route (``route``): the model's policy picks a target, with pinning, breakers, fallbacks and a shadow
-   (``gateway.router``). The routed stream is lazy: nothing has run on a backend yet.
+   (``gateway.routing.model_router``). The routed stream is lazy: nothing has run on a backend yet.
 3. admission and 4. backend (``backend_events``): on its first read the routed stream opens the request's events on
    its target. That target's backend is wrapped by its admission gate at start-up (``gateway.admission``), so the
    open first waits for a slot in flow control's queues, then the backend starts the work (an engine request or
@@ -34,9 +34,9 @@ from starlette.responses import Response
 from backends.interface import Backend, Event, EventStream, GenerateRequest, Usage
 from gateway.capabilities import system_fingerprint
 from gateway.deadlines import Timeouts
-from gateway.limits import KeyLimits, Reservation, admitted
+from gateway.gateway_state import GatewayState
+from gateway.limits import KeyLimits, Reservation, reserved
 from gateway.routing.stream import EventFactory, RoutedStream
-from gateway.state import GatewayState
 from gateway.streaming import Completion, Serving, WireFormat, stream_response, whole_response
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def within_limits(
 ) -> AbstractAsyncContextManager[Reservation]:
     """Hop 1: the key's budgets admit the request (a 429 when spent), its chat ``messages``' images estimated at
     their bound; leaving the block before a backend took the request over gives the reservation back."""
-    return admitted(request, key_limits(state), reserve, prompt_tokens=prompt_tokens, messages=messages)
+    return reserved(request, key_limits(state), reserve, prompt_tokens=prompt_tokens, messages=messages)
 
 
 def route(request: Request, state: GatewayState, generate: GenerateRequest, open_events: EventFactory) -> RoutedStream:

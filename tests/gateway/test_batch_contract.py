@@ -17,7 +17,7 @@ import pytest
 
 from backends.interface import Backend, BatchStream, Event, EventStream, GenerateRequest
 from backends.registry import build_backend
-from gateway.admission import AdmittedBackend, admitted
+from gateway.admission import AdmittedBackend, behind_flow_control
 from gateway.capabilities import WrappedBackend
 from gateway.config import GatewayConfig
 
@@ -83,7 +83,7 @@ def batches_gateway() -> Iterator[tuple[RunningGateway, BatchesOnlyBackend]]:
         ],
     )
     double = BatchesOnlyBackend(build_backend(config.backends[0]))
-    gate = admitted(double, config.backends[0])
+    gate = behind_flow_control(double, config.backends[0])
     assert isinstance(gate, AdmittedBackend), "the admission wrapper is part of what is proved here"
     running = start_gateway(config, backends={"reference": gate, "mirror": build_backend(config.backends[1])})
     yield running, double

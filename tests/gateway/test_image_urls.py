@@ -16,7 +16,7 @@ from backends.deepseek.chat import DeepSeekV41ChatTemplate
 from backends.deepseek.images import ImageResolution
 from backends.engine.backend import EngineBackend
 from backends.reference.engine import ReferenceEngine, ReferenceEngineArgs
-from gateway.admission import admitted
+from gateway.admission import behind_flow_control
 from gateway.config import GatewayConfig
 
 from ..backends.deepseek.test_image_fetch import HoldingListener, ImageHost
@@ -106,7 +106,9 @@ def hooked() -> Iterator[tuple[RunningGateway, ImageResolution]]:
     config = GatewayConfig(
         backends=[{"name": "reference", "kind": "reference"}], models=[{"name": MODEL, "backends": ["reference"]}]
     )
-    running = start_gateway(config, backends={"reference": admitted(backend, ReferenceBackendConfig(name="reference"))})
+    running = start_gateway(
+        config, backends={"reference": behind_flow_control(backend, ReferenceBackendConfig(name="reference"))}
+    )
     yield running, resolution
     stop_gateway(running)
 

@@ -20,7 +20,7 @@ from backends.deepseek.images import ImageResolution
 from backends.engine.backend import EngineBackend
 from backends.interface import IMAGE_TOKENS_BOUND
 from backends.reference.engine import ReferenceEngine, ReferenceEngineArgs
-from gateway.admission import admitted
+from gateway.admission import behind_flow_control
 from gateway.capabilities import unwrapped
 from gateway.config import GatewayConfig
 
@@ -87,7 +87,7 @@ def library_prompt_tokens(gateway: RunningGateway, messages: list[dict[str, Any]
     resolution (placeholder plus image_token_adjustment)."""
     body = {"model": "DeepSeek-V4.1-Flash", "messages": messages, **THINKING_OFF}
     conversation = recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions()).conversation
-    tokenizer = unwrapped(gateway.state.backends["reference"]).driver.engine.tokenizer  # type: ignore[attr-defined]
+    tokenizer = unwrapped(gateway.gateway_state.backends["reference"]).driver.engine.tokenizer  # type: ignore[attr-defined]
     encoding = recipe.DeepseekV41Encoding().with_tokenizer(recipe.Tokenizer.from_str(tokenizer.to_str()))
     sources = [source for message in conversation.messages for source in message.image_sources]
     resolver = recipe.ImageResolver(recipe.ReqwestImageFetcher(), recipe.OpenCvImagePreprocessor())
@@ -305,7 +305,7 @@ def gated() -> Iterator[tuple[RunningGateway, ImageResolution, DecodeGate]]:
         return ReferenceEngine.from_engine_args(ReferenceEngineArgs())
 
     backends = {  # as the registry builds them, behind admission; one without an image resolver
-        name: admitted(
+        name: behind_flow_control(
             EngineBackend(name, "reference", engine, DeepSeekV41ChatTemplate(), images=images),
             ReferenceBackendConfig(name=name),
         )

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from backends.errors import UpstreamError
 from backends.interface import Delta, Event, Finish, GenerateRequest, SamplingOptions, Usage
 from gateway.config import ModelConfig
-from gateway.router import ModelRouter
 from gateway.routing.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from gateway.routing.model_router import ModelRouter
 from gateway.routing.policies import LeastOutstandingPolicy, PrefixAffinityPolicy, affinity_key, rendezvous_score
 from gateway.routing.shadow import OK, ShadowMirror, ShadowPair
 from gateway.routing.stream import RoutedStream

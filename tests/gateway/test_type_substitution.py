@@ -22,9 +22,9 @@ from pydantic import BaseModel
 from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.batches.routes import CreateBatchRequest
 from gateway.config import GatewayConfig
+from gateway.endpoints.tokenize import DetokenizeRequest, TokenizeRequest
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses.protocol import CreateResponseRequest
-from gateway.routes.tokenize import DetokenizeRequest, TokenizeRequest
 
 from ..conftest import RunningGateway, start_gateway, stop_gateway
 from .openai_types import json_kind

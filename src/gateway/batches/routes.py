@@ -20,7 +20,7 @@ from gateway.batches.records import INPUT_PURPOSE, OUTPUT_PURPOSE, batch_object,
 from gateway.batches.runner import BatchRunner
 from gateway.batches.store import StoreLimitError
 from gateway.errors import APIError
-from gateway.state import gateway_state
+from gateway.gateway_state import gateway_state
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

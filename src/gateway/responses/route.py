@@ -22,6 +22,7 @@ from backends.interface import GenerateRequest, Usage
 from gateway.auth import request_label, request_owner, request_service_tier
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
+from gateway.gateway_state import GatewayState, gateway_state
 from gateway.pipeline import Reply, serve
 from gateway.responses.output import ResponsesFormat, response_envelope
 from gateway.responses.protocol import (
@@ -34,7 +35,6 @@ from gateway.responses.protocol import (
 )
 from gateway.responses.records import StoredResponse
 from gateway.responses.store import StoredResponses
-from gateway.state import GatewayState, gateway_state
 
 router = APIRouter(tags=["responses"], route_class=OffloadedJSONRoute)  # large inputs are parsed off the loop
 
@@ -101,17 +101,17 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     created_at = time.time()
     label = request_label(request)
     tier = request_service_tier(request, state.key_tiers.tier_for(label, body.service_tier))
-    fmt = ResponsesFormat(
+    wire = ResponsesFormat(
         response_envelope(body, model, response_id, int(created_at), tier), want_logprobs=body.wants_logprobs()
     )
 
     async def store(_usage: Usage | None) -> None:
-        assert fmt.final is not None
-        record = StoredResponse(response_id, created_at, fmt.final, body.items, body.previous_response_id, owner)
+        assert wire.final is not None
+        record = StoredResponse(response_id, created_at, wire.final, body.items, body.previous_response_id, owner)
         await _stored(state).save(record)
 
     reply = Reply(
-        lambda _fingerprint: fmt,
+        lambda _fingerprint: wire,
         stream=body.stream,
         include_usage=True,  # the terminal event carries the usage
         want_logprobs=body.wants_logprobs(),

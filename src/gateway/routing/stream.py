@@ -29,7 +29,7 @@ from gateway.routing.shadow import CANCELLED, FAILED, OK, ShadowPair
 from gateway.routing.targets import Target
 
 if TYPE_CHECKING:
-    from gateway.router import ModelRoutes
+    from gateway.routing.model_router import ModelRoutes
     from gateway.tracing import BackendCall
 
 EventFactory = Callable[[Backend], EventStream[Event]]

@@ -13,7 +13,7 @@ import pytest
 
 from backends.registry import build_backend
 from backends.workers.driver import DataParallelDriver
-from gateway.admission import admitted
+from gateway.admission import behind_flow_control
 from gateway.capabilities import unwrapped
 from gateway.config import GatewayConfig
 
@@ -76,7 +76,7 @@ def start_with_ranks(
         backend.driver.plan.restart_backoff = RESTART_BACKOFF  # type: ignore[attr-defined]
         if holdable_clock:
             backend.driver.clock = HoldableClock()  # type: ignore[attr-defined]
-        built[backend_config.name] = admitted(backend, backend_config)
+        built[backend_config.name] = behind_flow_control(backend, backend_config)
     return start_gateway(config, backends=built, ready_timeout=ready_timeout, wait_for=wait_for)
 
 
@@ -108,7 +108,7 @@ def http(dp_gateway: RunningGateway) -> Iterator[httpx.Client]:
 
 
 def driver_of(gateway: RunningGateway, backend: str) -> DataParallelDriver:
-    return unwrapped(gateway.state.backends[backend]).driver  # type: ignore[attr-defined,no-any-return]
+    return unwrapped(gateway.gateway_state.backends[backend]).driver  # type: ignore[attr-defined,no-any-return]
 
 
 def clock_of(gateway: RunningGateway, backend: str) -> HoldableClock:

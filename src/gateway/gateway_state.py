@@ -15,8 +15,8 @@ from gateway.flow_control import KeyTiers
 from gateway.limits import KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.responses.store import StoredResponses
-from gateway.router import ModelRouter
-from gateway.state_store import SharedStateStore
+from gateway.routing.model_router import ModelRouter
+from gateway.shared_store import SharedStateStore
 
 if TYPE_CHECKING:
     from gateway.batches.runner import BatchRunner

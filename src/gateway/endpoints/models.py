@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from gateway.state import GatewayState, gateway_state
+from gateway.gateway_state import GatewayState, gateway_state
 
 router = APIRouter(tags=["models"])
 

@@ -19,8 +19,8 @@ from backends.errors import BackendError, ModelNotFoundError
 from backends.interface import GenerateRequest, TokenizingBackend
 from gateway.capabilities import capability
 from gateway.errors import APIError, api_error_from_backend
+from gateway.gateway_state import GatewayState, gateway_state
 from gateway.openai.protocol import ChatMessage, ThinkingSwitch
-from gateway.state import GatewayState, gateway_state
 
 router = APIRouter(tags=["tokenizer"])
 

@@ -14,10 +14,10 @@ from backends.interface import Backend, Event, EventStream, GenerateRequest
 from gateway.auth import request_label, request_service_tier
 from gateway.bodies import OffloadedJSONRoute
 from gateway.errors import APIError
+from gateway.gateway_state import GatewayState, gateway_state
 from gateway.openai.output import ChatFormat, CompletionFormat
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.pipeline import Reply, serve
-from gateway.state import GatewayState, gateway_state
 from gateway.streaming import merge_prompts
 
 logger = logging.getLogger(__name__)

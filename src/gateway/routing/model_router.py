@@ -3,7 +3,7 @@
 The request flow stays front -> router -> backend: a route handler asks ``ModelRouter.route`` for the
 request's events and streams them; the router picks a target with the model's policy and returns a
 ``RoutedStream`` that falls back before the first event and accounts for the request when it ends. The
-pieces live in ``gateway.routing``.
+pieces live beside it in ``gateway.routing``.
 """
 
 from __future__ import annotations

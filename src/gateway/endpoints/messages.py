@@ -23,10 +23,10 @@ from gateway.anthropic.translate import generate_request, messages_terms
 from gateway.auth import request_label
 from gateway.bodies import OffloadedJSONRoute
 from gateway.counting import count_prompt
+from gateway.endpoints.tokenize import _counted
 from gateway.errors import APIError
+from gateway.gateway_state import GatewayState, gateway_state
 from gateway.pipeline import Reply, serve
-from gateway.routes.tokenize import _counted
-from gateway.state import GatewayState, gateway_state
 
 router = APIRouter(tags=["messages"], route_class=OffloadedJSONRoute)  # Claude Code sends 50 KB and more
 
@@ -77,7 +77,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     asked = "default" if body.service_tier == "standard_only" else None
     generate.service_tier = state.key_tiers.tier_for(generate.tenant, asked)
     generate.log = request.state.log
-    fmt = MessagesFormat(
+    wire = MessagesFormat(
         new_id("msg"),
         model,
         max_tokens=body.max_tokens,
@@ -86,7 +86,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         service_tier=generate.service_tier,
     )
     # The usage ends a Messages stream: it carries message_delta.
-    reply = Reply(lambda _fingerprint: fmt, stream=body.stream, include_usage=True, want_logprobs=False)
+    reply = Reply(lambda _fingerprint: wire, stream=body.stream, include_usage=True, want_logprobs=False)
     try:
         return await serve(request, state, generate, reply, reserve=body.max_tokens)
     except InvalidRequestError as exc:

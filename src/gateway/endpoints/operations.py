@@ -18,8 +18,8 @@ from starlette.responses import Response
 
 from gateway.auth import ADMIN_SCOPE
 from gateway.errors import APIError
+from gateway.gateway_state import GatewayState, gateway_state
 from gateway.metrics import exposition
-from gateway.state import GatewayState, gateway_state
 
 router = APIRouter(tags=["operations"])
 

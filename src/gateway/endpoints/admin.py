@@ -7,7 +7,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.state import gateway_state
+from gateway.gateway_state import gateway_state
 
 router = APIRouter(tags=["admin"])
 
