@@ -31,6 +31,7 @@ from gateway.capabilities import unwrapped
 from gateway.config import GatewayConfig
 from gateway.gateway_state import GatewayState
 from gateway.server import gateway_server
+from gateway.server_config import FLAT_KEYS
 
 from .conformance import OpenAISchemas
 from .waiting import wait_ready, wait_until
@@ -94,6 +95,15 @@ class RunningGateway:
             for found in family.samples
             if found.name == sample and all(found.labels.get(k) == v for k, v in labels.items())
         )
+
+
+def server_sections(**keys: object) -> dict[str, dict[str, object]]:
+    """``server`` settings given by key name (``port=0``), placed in their sections (``{"http": {"port": 0}}``)
+    the way a config file writes them, so a test sets a few keys without the deprecated flat spelling."""
+    sections: dict[str, dict[str, object]] = {}
+    for key, value in keys.items():
+        sections.setdefault(FLAT_KEYS[key], {})[key] = value
+    return sections
 
 
 def start_gateway(

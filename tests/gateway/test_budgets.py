@@ -22,7 +22,7 @@ from ..budget_client import (
     remaining_tokens,
     stream_and_hang_up,
 )
-from ..conftest import MODEL, TINY_CONTEXT, TINY_MODEL, RunningGateway, start_gateway, stop_gateway
+from ..conftest import MODEL, TINY_CONTEXT, TINY_MODEL, RunningGateway, server_sections, start_gateway, stop_gateway
 
 
 class FakeClock:
@@ -88,11 +88,9 @@ LONG = {
 
 def _metered_config(**server: object) -> GatewayConfig:
     return GatewayConfig(
-        server={
-            "api_keys": [{"key": KEY, "name": LABEL, "tokens_per_minute": TPM}],
-            "admin_api_key": ADMIN_KEY,
-            **server,
-        },
+        server=server_sections(
+            api_keys=[{"key": KEY, "name": LABEL, "tokens_per_minute": TPM}], admin_api_key=ADMIN_KEY, **server
+        ),
         backends=[
             {
                 "name": "reference",

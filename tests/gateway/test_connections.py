@@ -22,7 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.connections import Clock, ConnectionGuard
 from gateway.server import bind, gateway_server
 
-from ..conftest import MODEL, wait_until
+from ..conftest import MODEL, server_sections, wait_until
 from ..waiting import wait_ready
 
 SAFETY_SECONDS = 20.0
@@ -84,7 +84,7 @@ def read_until_closed(sock: socket.socket) -> bytes:
 
 def settings(**server: object) -> GatewayConfig:
     return GatewayConfig(
-        server={"access_log": False, **server},
+        server=server_sections(access_log=False, **server),
         backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": 0.01}}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )

@@ -140,7 +140,7 @@ def test_bad_completion_request_is_a_400(
 
 
 def test_oversized_body_is_a_413(http: httpx.Client, gateway) -> None:  # type: ignore[no-untyped-def]
-    limit = gateway.gateway_state.config.server.http.max_body_bytes
+    limit = gateway.state.config.server.http.max_body_bytes
     big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (limit + 10)}]}
     response = http.post("/v1/chat/completions", json=big)
     assert response.status_code == 413

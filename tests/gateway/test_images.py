@@ -87,7 +87,7 @@ def library_prompt_tokens(gateway: RunningGateway, messages: list[dict[str, Any]
     resolution (placeholder plus image_token_adjustment)."""
     body = {"model": "DeepSeek-V4.1-Flash", "messages": messages, **THINKING_OFF}
     conversation = recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions()).conversation
-    tokenizer = unwrapped(gateway.gateway_state.backends["reference"]).driver.engine.tokenizer  # type: ignore[attr-defined]
+    tokenizer = unwrapped(gateway.state.backends["reference"]).driver.engine.tokenizer  # type: ignore[attr-defined]
     encoding = recipe.DeepseekV41Encoding().with_tokenizer(recipe.Tokenizer.from_str(tokenizer.to_str()))
     sources = [source for message in conversation.messages for source in message.image_sources]
     resolver = recipe.ImageResolver(recipe.ReqwestImageFetcher(), recipe.OpenCvImagePreprocessor())
@@ -362,7 +362,7 @@ def test_a_budget_reserves_an_image_at_its_token_bound_not_its_base64_size() -> 
     """A 270 KB image is 360 KB of base64, 90,000 tokens at the body estimate's 4 bytes a token; reserved at the
     most an image can take (IMAGE_TOKENS_BOUND), it leaves the rest of the key's budget to other requests."""
     config = GatewayConfig(
-        server={"api_keys": [{"key": "sk-images", "name": "images", "tokens_per_minute": 100_000}]},
+        server={"auth": {"api_keys": [{"key": "sk-images", "name": "images", "tokens_per_minute": 100_000}]}},
         backends=[{"name": "reference", "kind": "reference"}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )

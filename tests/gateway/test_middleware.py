@@ -122,12 +122,12 @@ def test_every_fate_has_an_id_a_log_line_and_a_count(gateway: RunningGateway) ->
     before = [counted(status, code) for _, status, code in fates] + [counted(503, "draining")]
     with captured_logs(gateway) as logs:
         answers = [httpx.post(url, json=body, timeout=60) for body, _, _ in fates]
-        gateway.gateway_state.begin_drain()
+        gateway.state.begin_drain()
         try:
             answers.append(httpx.post(url, json=fates[0][0], timeout=60))
             assert httpx.get(f"{gateway.base_url}/v1/models").status_code == 200, "a drain refuses only generation"
         finally:
-            gateway.gateway_state.draining = False
+            gateway.state.draining = False
     assert [a.status_code for a in answers] == [200, 400, 404, 503]
     assert answers[-1].json()["error"]["code"] == "draining" and answers[-1].headers["retry-after"] == "1"
     lines = {line["request_id"]: line for line in logs if line.get("event") == "request"}

@@ -63,7 +63,7 @@ def claude(cache_gateway: RunningGateway) -> anthropic.Anthropic:
 
 
 def engine_of(gateway: RunningGateway, backend: str = "reference") -> ReferenceEngine:
-    engine = unwrapped(gateway.gateway_state.backends[backend]).driver.engine  # type: ignore[attr-defined]
+    engine = unwrapped(gateway.state.backends[backend]).driver.engine  # type: ignore[attr-defined]
     assert isinstance(engine, ReferenceEngine)
     return engine
 

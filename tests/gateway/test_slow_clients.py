@@ -14,7 +14,7 @@ import pytest
 
 from gateway.config import GatewayConfig
 
-from ..conftest import MODEL, TIMED_STEP, RunningGateway, start_gateway, stop_gateway, wait_until
+from ..conftest import MODEL, TIMED_STEP, RunningGateway, server_sections, start_gateway, stop_gateway, wait_until
 
 # Big frames (20 alternatives per token, 4 choices) fill the socket buffers after a few dozen steps.
 HEAVY = {
@@ -32,7 +32,7 @@ MAX_TOKENS_ALL_CHOICES = 4 * 4000
 
 def _gateway(**server: object) -> RunningGateway:
     config = GatewayConfig(
-        server=server,
+        server=server_sections(**server),
         backends=[{"name": "reference", "kind": "reference", "timing": {"decode_seconds_per_step": TIMED_STEP}}],
         models=[{"name": MODEL, "backends": ["reference"]}],
     )

@@ -119,7 +119,7 @@ def client(traced: RunningGateway) -> openai.OpenAI:
 def exported(gateway: RunningGateway) -> bool:
     """Every span of the requests made so far sent: a request's server span ends after its response's last byte."""
     wait_for_requests_done(gateway)
-    return gateway.gateway_state.tracing is not None and gateway.gateway_state.tracing.flush()
+    return gateway.state.tracing is not None and gateway.state.tracing.flush()
 
 
 def trace_of(gateway: RunningGateway, receiver: OTLPReceiver, trace_id: str) -> list[ReceivedSpan]:
