@@ -108,7 +108,7 @@ def http(dp_gateway: RunningGateway) -> Iterator[httpx.Client]:
 
 
 def driver_of(gateway: RunningGateway, backend: str) -> DataParallelDriver:
-    return unwrapped(gateway.gateway_state.backends[backend]).driver  # type: ignore[attr-defined,no-any-return]
+    return unwrapped(gateway.state.backends[backend]).driver  # type: ignore[attr-defined,no-any-return]
 
 
 def clock_of(gateway: RunningGateway, backend: str) -> HoldableClock:
