@@ -144,7 +144,7 @@ def _client(gateway: RunningGateway, key: str) -> openai.OpenAI:
 
 
 def _gate(gateway: RunningGateway) -> Any:
-    backend = gateway.gateway_state.backends["reference"]
+    backend = gateway.state.backends["reference"]
     assert isinstance(backend, GatedBackend)
     return backend.gate
 
