@@ -6,11 +6,13 @@ then wait for more. Events that arrived together (one engine step, one network r
 loop was busy) therefore cost one write. The response (``gateway.sse``) writes each chunk straight to the socket
 when it takes it, else through ASGI's ``send``.
 
-When the backend's wait is a future (the engine backends': a request's next step) and the connection takes
-direct writes, the wait is not awaited: :class:`_Pusher` takes the batches from the future's callback, renders and
-writes them there, and wakes the task only for what needs it (the stream's end, an error, a chunk the socket did
-not take). Waking the task for every engine step cost more than rendering and writing the step's frame; the
-measurement is in docs/bench.md ("One batch contract").
+When the connection takes direct writes, the task does not wake for every engine step: :class:`_Pusher` takes
+the batches as they come, renders and writes them, and wakes the task only for what needs it (the stream's end,
+an error, a chunk the socket did not take). The engine backends' streams call it straight from their driver's
+delivery of a step (``backends.streams.Notifying``); any other stream whose wait is a future calls it from that
+future's callback. Waking the task for every engine step cost more than rendering and writing the step's frame,
+and a future plus a loop callback per stream per step cost a few percent more on rank workers; the measurements
+are in docs/bench.md ("One batch contract", "The writer woken by the driver").
 
 Starlette does not cancel a handler when its client goes away, so every wait that can be long (the first token,
 the next batch, a whole non-streamed completion) races against the ``http.disconnect`` message
