@@ -20,6 +20,8 @@ from backends.streams import EventStream as EventStream  # what generate returns
 from backends.streams import batches_of as batches_of  # any stream's batches
 from backends.streams import conforms as conforms  # a cached isinstance for runtime-checkable protocols
 from backends.streams import interleave as interleave  # part of the surface: the gateway merges choices and prompts
+from backends.streams import never_notifies as never_notifies  # notify of a stream that cannot
+from backends.streams import notify_of as notify_of  # a stream's synchronous wake-up, if it has one
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric

@@ -4,7 +4,7 @@ running several at once (n choices, several prompts) as one."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 T = TypeVar("T")
@@ -41,6 +41,31 @@ class BatchStream(Protocol[T]):
     def ready(self) -> list[T]: ...
 
     def wait(self) -> Awaitable[None]: ...
+
+
+@runtime_checkable
+class Notifying(Protocol):
+    """A ``BatchStream`` whose producer can say synchronously that ``ready()`` may have more, instead of through
+    the future ``wait()`` returns: no future and no event-loop callback per engine step, which a stream pays on
+    every step it waits (the consumer renders and writes the step's frames from the producer's call).
+
+    ``notify(callback)`` returns True when ``callback`` will be called once, from the producer's own code on the
+    event loop, as soon as ``ready()`` may have more; False when it will not be (events are ready already, or
+    this stream cannot tell): then the consumer uses ``wait()``. A later ``notify`` replaces an earlier one.
+    ``callback`` must not raise. A wrapper forwards its inner stream's ``notify`` (or ``never_notifies``).
+    """
+
+    def notify(self, callback: Callable[[], None]) -> bool: ...
+
+
+def never_notifies(callback: Callable[[], None]) -> bool:
+    """``Notifying.notify`` of a stream that cannot notify: its consumer always uses ``wait()``."""
+    return False
+
+
+def notify_of(batches: BatchStream[Any]) -> Callable[[Callable[[], None]], bool]:
+    """The batches' ``notify`` if they offer it, else ``never_notifies``."""
+    return cast("Notifying", batches).notify if conforms(batches, Notifying) else never_notifies
 
 
 _CONFORMS: dict[tuple[type, object], bool] = {}

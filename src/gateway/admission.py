@@ -17,6 +17,8 @@ from backends.interface import (
     GenerateRequest,
     TraceValue,
     batches_of,
+    never_notifies,
+    notify_of,
     traced_stage,
 )
 from gateway.capabilities import WrappedBackend
@@ -43,7 +45,7 @@ class _AdmittedEvents:
     by ``aclose``, after the backend's stream was closed (its work aborted): the consumer closes the stream when it
     ends, whichever way (``RoutedStream`` and ``interleave`` do)."""
 
-    __slots__ = ("_backend", "_closed", "_events", "_gate", "_request", "_started", "ready", "wait")
+    __slots__ = ("_backend", "_closed", "_events", "_gate", "_request", "_started", "notify", "ready", "wait")
 
     def __init__(self, backend: Backend, gate: FlowController, request: GenerateRequest) -> None:
         self._backend = backend
@@ -53,6 +55,7 @@ class _AdmittedEvents:
         # ``BatchStream``: the backend's stream's own methods once it gave its first event (no call of ours per batch)
         self.ready: Callable[[], list[Event]] = NOT_OPENED.ready
         self.wait: Callable[[], Awaitable[None]] = NOT_OPENED.wait
+        self.notify: Callable[[Callable[[], None]], bool] = never_notifies
         self._started: float | None = None  # when the slot was taken
         self._closed = False
 
@@ -80,7 +83,7 @@ class _AdmittedEvents:
         events = self._events = self._backend.generate(self._request)
         event = await events.__anext__()
         batches = batches_of(events)  # taken after the first event: the stream's own batches exist from then on
-        self.ready, self.wait = batches.ready, batches.wait
+        self.ready, self.wait, self.notify = batches.ready, batches.wait, notify_of(batches)
         return event
 
     async def aclose(self) -> None:

@@ -6,11 +6,13 @@ then wait for more. Events that arrived together (one engine step, one network r
 loop was busy) therefore cost one write. The response (``gateway.sse``) writes each chunk straight to the socket
 when it takes it, else through ASGI's ``send``.
 
-When the backend's wait is a future (the engine backends': a request's next step) and the connection takes
-direct writes, the wait is not awaited: :class:`_Pusher` takes the batches from the future's callback, renders and
-writes them there, and wakes the task only for what needs it (the stream's end, an error, a chunk the socket did
-not take). Waking the task for every engine step cost more than rendering and writing the step's frame; the
-measurement is in docs/bench.md ("One batch contract").
+When the connection takes direct writes, the task does not wake for every engine step: :class:`_Pusher` takes
+the batches as they come, renders and writes them, and wakes the task only for what needs it (the stream's end,
+an error, a chunk the socket did not take). The engine backends' streams call it straight from their driver's
+delivery of a step (``backends.streams.Notifying``); any other stream whose wait is a future calls it from that
+future's callback. Waking the task for every engine step cost more than rendering and writing the step's frame,
+and a future plus a loop callback per stream per step cost a few percent more on rank workers; the measurements
+are in docs/bench.md ("One batch contract", "The writer woken by the driver").
 
 Starlette does not cancel a handler when its client goes away, so every wait that can be long (the first token,
 the next batch, a whole non-streamed completion) races against the ``http.disconnect`` message
@@ -42,6 +44,7 @@ from backends.interface import (
     Usage,
     batches_of,
     interleave,
+    notify_of,
 )
 from gateway.deadlines import Timeouts, deadline_of
 from gateway.errors import APIError, api_error_from_backend, internal_error, public_error
@@ -99,9 +102,10 @@ async def _first_events(events: AsyncIterator[Event], deadline: Deadline | None)
 
 
 class _Pusher:
-    """Writes a stream's batches from its wait's callbacks while the stream's task sleeps (see the module)."""
+    """Writes a stream's batches while the stream's task sleeps (see the module): called by the producer itself
+    when the batches offer it (``Notifying``), else from the callbacks of the futures their ``wait`` returns."""
 
-    __slots__ = ("_batches", "_render", "_touch", "_wake", "_write")
+    __slots__ = ("_batches", "_notify", "_render", "_touch", "_wake", "_write")
 
     def __init__(
         self,
@@ -111,24 +115,38 @@ class _Pusher:
         touch: Callable[[], None] | None,
     ) -> None:
         self._batches = batches
+        self._notify = notify_of(batches)
         self._render = render
         self._write = write_now
         self._touch = touch  # an output came: the deadline's idle limit starts again
         self._wake: asyncio.Future[tuple[bytes | None, BaseException | None]] | None = None
 
-    def park(self, more: asyncio.Future[None]) -> asyncio.Future[tuple[bytes | None, BaseException | None]]:
-        """What the task awaits instead of ``more``: done with a chunk the socket did not take (or None) and the
-        error or ``StopAsyncIteration`` that ended the stream (or None)."""
-        wake = self._wake = more.get_loop().create_future()
-        more.add_done_callback(self._more)
-        return wake
+    def park(self) -> asyncio.Future[tuple[bytes | None, BaseException | None]] | None:
+        """What the task awaits instead of the batches' wait: done with a chunk the socket did not take (or None)
+        and the error or ``StopAsyncIteration`` that ended the stream (or None). None when the batches can neither
+        notify nor give a future to wait on: the task then waits itself."""
+        wake = self._wake = asyncio.get_running_loop().create_future()
+        if self._notify(self._pushed):
+            return wake
+        more = self._batches.wait()
+        if isinstance(more, asyncio.Future):
+            more.add_done_callback(self._more)
+            return wake
+        self._wake = None
+        if isinstance(more, Coroutine):
+            more.close()
+        return None
 
     def stop(self) -> None:
         """The task stopped waiting (cancelled, or woken): later callbacks do nothing."""
         self._wake = None
 
     def _more(self, _: object) -> None:
-        """The wait's callback: every ready batch rendered and written, then the next wait; never raises."""
+        """The wait's callback."""
+        self._pushed()
+
+    def _pushed(self) -> None:
+        """``ready()`` may have more: every ready batch rendered and written, then the next wait; never raises."""
         wake = self._wake
         if wake is None or wake.done():
             return  # the task was cancelled (client gone, deadline) and ends the stream itself
@@ -146,6 +164,8 @@ class _Pusher:
             if self._write(unsent):
                 unsent = None
         if unsent is None and ended is None:
+            if self._notify(self._pushed):
+                return  # all written: the task sleeps on
             more = self._batches.wait()
             if isinstance(more, asyncio.Future):
                 more.add_done_callback(self._more)
@@ -252,14 +272,14 @@ class _StreamBody:
     ) -> tuple[bytes | None, BaseException | None]:
         """Waits for the backend's next batch, within the deadline; with a pusher, while it writes the batches
         that come, until it hands the stream back (a chunk it could not write, the stream's end or error)."""
-        more = batches.wait()
         deadline = self._deadline
-        if pusher is not None and isinstance(more, asyncio.Future):
-            wake = pusher.park(more)
+        wake = pusher.park() if pusher is not None else None
+        if pusher is not None and wake is not None:
             try:
                 return await (wake if deadline is None else deadline.bounded(lambda: wake))
             finally:
                 pusher.stop()
+        more = batches.wait()
         await (more if deadline is None else deadline.bounded(lambda: more))
         return None, None
 

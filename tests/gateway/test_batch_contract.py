@@ -6,17 +6,22 @@ A wrapper that dropped the methods would not break a response on its own: the lo
 wait (``OneByOne``) and every answer would still be right, only slower. So the streamed requests here run on the
 real reference engine behind the real admission and routing wrappers, with one test double in between whose stream
 refuses to be read one event at a time past its first: a wrapper above it that does not forward the batch methods
-fails the request."""
+fails the request.
+
+The same holds for ``notify`` (``backends.streams.Notifying``), the synchronous wake-up that spares a stream one
+future and one loop callback per engine step: a wrapper that dropped it would only make streams slower, so the
+double counts how its streams were woken."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import openai
 import pytest
 
 from backends.interface import Backend, BatchStream, Event, EventStream, GenerateRequest
 from backends.registry import build_backend
+from backends.streams import Notifying
 from gateway.admission import AdmittedBackend, behind_flow_control
 from gateway.capabilities import WrappedBackend
 from gateway.config import GatewayConfig
@@ -28,13 +33,16 @@ SHADOWED = "shadowed"  # a model whose requests are mirrored: routing then looks
 
 class BatchesOnlyBackend(WrappedBackend):
     """TEST DOUBLE around the real reference backend: its streams serve their first event through ``__anext__``
-    and every later one only through ``ready``/``wait``, and count the events their batches carried."""
+    and every later one only through ``ready``/``wait``/``notify``; they count the events their batches carried,
+    their waits and their armed notifications."""
 
-    __slots__ = ("batched",)
+    __slots__ = ("batched", "notified", "waited")
 
     def __init__(self, backend: Backend) -> None:
         super().__init__(backend)
         self.batched = 0
+        self.waited = 0
+        self.notified = 0
 
     def generate(self, request: GenerateRequest) -> EventStream[Event]:
         return BatchesOnlyEvents(self.inner.generate(request), self)
@@ -46,6 +54,7 @@ class BatchesOnlyEvents:
     def __init__(self, events: EventStream[Event], owner: BatchesOnlyBackend) -> None:
         self._events = events
         self._batches: BatchStream[Event] = events  # type: ignore[assignment]  # the engine's: it has batches
+        self._notifying: Notifying = events  # type: ignore[assignment]  # and it notifies
         self._owner = owner
         self._opened = False
 
@@ -64,7 +73,13 @@ class BatchesOnlyEvents:
         return batch
 
     def wait(self) -> Awaitable[None]:
+        self._owner.waited += 1
         return self._batches.wait()
+
+    def notify(self, callback: Callable[[], None]) -> bool:
+        armed = self._notifying.notify(callback)
+        self._owner.notified += armed
+        return armed
 
     async def aclose(self) -> None:
         await self._events.aclose()
@@ -111,3 +126,25 @@ def test_a_streamed_answer_after_its_first_token_comes_through_every_wrapper_s_b
     assert usage is not None and usage.completion_tokens == 48
     assert chunks[-2].choices[0].finish_reason == "length"
     assert double.batched - before >= 2, "the events after the first (the finish and the usage at least) were batched"
+
+
+def test_a_streamed_answer_s_engine_steps_wake_its_writer_through_every_wrapper_s_notify(
+    batches_gateway: tuple[RunningGateway, BatchesOnlyBackend],
+) -> None:
+    """Every wake-up of the writer after the first token comes from the engine's own delivery of a step: the
+    stream never waits on a future (each such wait costs a future and a loop callback per step)."""
+    running, double = batches_gateway
+    client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    waited, notified = double.waited, double.notified
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "go on"}],
+            max_tokens=48,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert double.waited == waited, "a wrapper dropped notify: the stream waited on futures"
+    assert double.notified > notified

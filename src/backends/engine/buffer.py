@@ -21,11 +21,12 @@ class OutputBuffer:
     client does. ``limit`` ``None`` means no bound.
     """
 
-    __slots__ = ("_items", "_limit", "_loop", "_on_overflow", "_waiter", "overflowed", "tokens")
+    __slots__ = ("_items", "_limit", "_listener", "_loop", "_on_overflow", "_waiter", "overflowed", "tokens")
 
     def __init__(self, limit: int | None, on_overflow: Callable[[], None]) -> None:
         self._items: deque[Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._listener: Callable[[], None] | None = None  # called once by the next put (``listen``)
         self._loop: asyncio.AbstractEventLoop | None = None  # the stream's loop, looked up once (not per wait)
         self._limit = limit
         self._on_overflow = on_overflow
@@ -48,6 +49,10 @@ class OutputBuffer:
                 )
                 self._on_overflow()
         self._items.append((index, item))
+        listener = self._listener
+        if listener is not None:
+            self._listener = None
+            listener()
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -63,6 +68,14 @@ class OutputBuffer:
         if not isinstance(item, BackendError):
             self.tokens -= len(item)
         return index, item
+
+    def listen(self, listener: Callable[[], None]) -> bool:
+        """Has the next ``put`` call ``listener`` (once, synchronously, after it stored its item); False if an
+        item waits already (then nothing is called). It replaces an earlier listener."""
+        if self._items:
+            return False
+        self._listener = listener
+        return True
 
     def arrival(self) -> asyncio.Future[None]:
         """Done once an item waits: at once if one does (it may have come since the caller's last ``pop``, while

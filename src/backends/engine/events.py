@@ -23,7 +23,7 @@ from backends.engine.driver import Sink
 from backends.engine.prompts import ChatPrompt
 from backends.engine.protocol import EngineOutput
 from backends.errors import BackendError, InvalidRequestError, SlowClientError, UpstreamError
-from backends.interface import NOT_OPENED, Event, Finish, PromptEcho, PromptToken, Usage
+from backends.interface import NOT_OPENED, Event, Finish, PromptEcho, PromptToken, Usage, never_notifies
 
 INLINE_PROMPT_TOKENS = 512
 """Echoed prompts with logprobs longer than this are formatted on a worker thread (microseconds per token)."""
@@ -117,6 +117,12 @@ class EngineRun:
         if job is None:
             return self._outputs.arrival()
         return _settled(job[2])
+
+    def notify(self, callback: Callable[[], None]) -> bool:
+        """``Notifying.notify``: the next output the driver puts calls ``callback`` from the driver's delivery."""
+        if self._job is not None or self._pending or self._failed is not None or not self._remaining:
+            return False
+        return self._outputs.listen(callback)
 
     def next_event(self) -> Event | None:
         """The next event, None while the engine has sent nothing new; raises as ``ready`` does."""
@@ -233,7 +239,7 @@ class EngineEvents:
     """The event stream ``EngineBackend.generate`` returns: ``open`` (prepare, add) on the first step, then the
     run's events; closing it aborts what the engine still runs for it."""
 
-    __slots__ = ("_closed", "_open", "_run", "ready", "wait")
+    __slots__ = ("_closed", "_open", "_run", "notify", "ready", "wait")
 
     def __init__(self, open_run: Callable[[], Awaitable[EngineRun]]) -> None:
         self._open = open_run
@@ -243,6 +249,7 @@ class EngineEvents:
         # straight to the run
         self.ready: Callable[[], list[Event]] = NOT_OPENED.ready
         self.wait: Callable[[], Awaitable[None]] = NOT_OPENED.wait
+        self.notify: Callable[[Callable[[], None]], bool] = never_notifies
 
     def __aiter__(self) -> EngineEvents:
         return self
@@ -256,7 +263,7 @@ class EngineEvents:
             if self._closed:  # closed while it opened
                 run.close()
                 raise StopAsyncIteration
-            self.ready, self.wait = run.ready, run.wait
+            self.ready, self.wait, self.notify = run.ready, run.wait, run.notify
         while True:
             event = run.next_event()
             if event is not None:

@@ -24,7 +24,18 @@ from backends.errors import (
     ModelNotFoundError,
     OverloadedError,
 )
-from backends.interface import NOT_OPENED, Backend, BatchStream, Delta, Event, EventStream, GenerateRequest, batches_of
+from backends.interface import (
+    NOT_OPENED,
+    Backend,
+    BatchStream,
+    Delta,
+    Event,
+    EventStream,
+    GenerateRequest,
+    batches_of,
+    never_notifies,
+    notify_of,
+)
 from gateway.routing.shadow import CANCELLED, FAILED, OK, ShadowPair
 from gateway.routing.targets import Target
 
@@ -68,6 +79,7 @@ class RoutedStream:
         "_tried",
         "_via",
         "_watching",
+        "notify",
         "served_by",
         "wait",
     )
@@ -90,6 +102,8 @@ class RoutedStream:
         self._batches: BatchStream[Event] = NOT_OPENED
         self.wait: Callable[[], Awaitable[None]] = NOT_OPENED.wait
         """``BatchStream.wait``: the target's stream's own, once the request is committed to it."""
+        self.notify: Callable[[Callable[[], None]], bool] = never_notifies
+        """``Notifying.notify``: the target's stream's own too (its callback only wakes; ``ready`` is this one)."""
         self._done = False
         self._first_token_at: float | None = None
         self._watching = True
@@ -213,6 +227,7 @@ class RoutedStream:
             self._inner = inner
             self._batches = batches_of(inner)
             self.wait = self._batches.wait
+            self.notify = notify_of(self._batches)
             target.breaker.answered()
             self._watch(event)
             return event

@@ -62,3 +62,36 @@ async def test_arrival_is_done_at_once_when_an_item_came_since_the_last_pop() ->
     assert arrival.done()
     entry = buffer.pop()
     assert entry is not None and isinstance(entry[1], SlowClientError)
+
+
+def test_a_listener_is_called_once_by_the_next_put_after_its_item_is_stored() -> None:
+    buffer = OutputBuffer(None, lambda: None)
+    seen: list[int] = []
+    assert buffer.listen(lambda: seen.append(buffer.tokens))
+    assert seen == []
+    buffer.put(0, step(3))
+    assert seen == [3], "called synchronously by the put, with the item already there"
+    buffer.put(0, step(1))
+    assert seen == [3], "once: a later put does not call it again"
+
+
+def test_listen_refuses_while_an_item_waits_so_the_stream_reads_it_first() -> None:
+    buffer = OutputBuffer(None, lambda: None)
+    seen: list[bool] = []
+    buffer.put(0, step(2))
+    assert not buffer.listen(lambda: seen.append(True))
+    buffer.put(0, step(2))
+    assert seen == []
+    assert buffer.pop() is not None and buffer.pop() is not None
+    assert buffer.listen(lambda: seen.append(True))
+
+
+def test_an_overflow_calls_the_listener_so_the_stream_ends_with_its_error() -> None:
+    buffer = OutputBuffer(4, lambda: None)
+    seen: list[bool] = []
+    buffer.put(0, step(4))
+    assert buffer.pop() is not None
+    assert buffer.listen(lambda: seen.append(True))
+    buffer.put(0, step(5))  # over the bound: the error is queued and the listener told
+    entry = buffer.pop()
+    assert seen == [True] and entry is not None and isinstance(entry[1], SlowClientError)
