@@ -104,7 +104,13 @@ def create_app(
     )
     json_parser = JSONBodyParser(config.server.http.json_parse_processes)
     lifespan = _lifespan(state, key_limits, stored_responses, json_parser, serve_once_started=serve_once_started)
+    return _gateway_app(state, lifespan, json_parser)
 
+
+def _gateway_app(
+    state: GatewayState, lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]], json_parser: JSONBodyParser
+) -> FastAPI:
+    """The FastAPI app over ``state``: middleware, error handlers and every route group."""
     # No redirects for a trailing slash: Starlette's would build its Location from the client's Host header, and
     # an SDK does not follow a redirect of a POST; ``/metrics/`` is a 404 like any other unknown URL.
     app = GatewayApp(
@@ -112,7 +118,7 @@ def create_app(
         version=__version__,
         lifespan=lifespan,
         redirect_slashes=False,
-        middleware=gateway_middleware(config, state),
+        middleware=gateway_middleware(state.config, state),
     )
     app.state.gateway = state
     app.state.json_parser = json_parser  # read by the generation routes' OffloadedJSONRoute

@@ -7,11 +7,14 @@ import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from gateway.config import ConfigError, load_config
+
+if TYPE_CHECKING:
+    from loadgen.config import BenchConfig
 
 app = typer.Typer(help="OpenAI-compatible gateway for DeepInfer engines and LMDeploy servers.", no_args_is_help=True)
 config_app = typer.Typer(help="Work with configuration files.", no_args_is_help=True)
@@ -209,45 +212,74 @@ def _bench_errors() -> Iterator[None]:
         raise typer.Exit(2) from exc
 
 
+ConcurrencyOption = Annotated[
+    str | None, typer.Option(help="Closed-loop concurrency levels, comma-separated (a sweep); default 1.")
+]
+RequestRateOption = Annotated[
+    str | None, typer.Option(help="Open-loop Poisson arrival rates in req/s, comma-separated; 'inf' = all at once.")
+]
+NumRequestsOption = Annotated[
+    int | None,
+    typer.Option(help="Measured requests per model and load point; default max(50, 10 x c), 100 with a rate."),
+]
+InputLenOption = Annotated[str, typer.Option(help="Prompt words: N, fixed:N, uniform:LOW,HIGH or normal:MEAN,STD.")]
+DatasetOption = Annotated[
+    Path | None, typer.Option(help="JSONL prompts: {'prompt': ...} or {'messages': [...]}, optional 'max_tokens'.")
+]
+EndpointOption = Annotated[str, typer.Option(help="chat (/v1/chat/completions) or completions (/v1/completions).")]
+GpuHourPriceOption = Annotated[float | None, typer.Option(help="USD per accelerator-hour, for cost per 1M tokens.")]
+WarmupOption = Annotated[
+    int | None, typer.Option(help="Warm-up requests per model and load point; default c, 8 with a rate.")
+]
+
+
+def _parsed_bench_fields(
+    *, concurrency: str | None, request_rate: str | None, input_len: str, output_len: str, slo: str | None
+) -> dict[str, Any]:
+    """The load points, lengths and SLO bounds of a ``BenchConfig``, parsed from their command-line strings."""
+    from loadgen.config import LengthSpec, parse_levels, parse_slo
+
+    return {
+        "concurrency": tuple(int(c) for c in parse_levels(concurrency or "1", "--concurrency", integer=True)),
+        "request_rate": tuple(parse_levels(request_rate, "--request-rate", integer=False)) if request_rate else (),
+        "input_len": LengthSpec.parse(input_len, "--input-len"),
+        "output_len": LengthSpec.parse(output_len, "--output-len"),
+        "slo": parse_slo(slo),
+    }
+
+
+def _run_bench(config: BenchConfig) -> None:
+    """Run the benchmark; a run in which no request completed measured nothing and exits with status 1."""
+    from loadgen.runner import BenchRun
+
+    results = BenchRun(config).run()
+    if not any(run["metrics"]["requests"]["completed"] for run in results["runs"]):
+        typer.echo("error: no request completed", err=True)
+        raise typer.Exit(1)
+
+
 @app.command()
 def bench(
     url: Annotated[str, typer.Option(help="Server root or its /v1 URL (this gateway or any OpenAI-compatible one).")],
     model: Annotated[list[str], typer.Option("--model", help="Model to load; repeat to compare side by side.")],
     out: Annotated[Path, typer.Option(help="Directory for results.json, report.md, requests.jsonl and PNG plots.")],
-    concurrency: Annotated[
-        str | None, typer.Option(help="Closed-loop concurrency levels, comma-separated (a sweep); default 1.")
-    ] = None,
-    request_rate: Annotated[
-        str | None, typer.Option(help="Open-loop Poisson arrival rates in req/s, comma-separated; 'inf' = all at once.")
-    ] = None,
+    concurrency: ConcurrencyOption = None,
+    request_rate: RequestRateOption = None,
     max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight with --request-rate.")] = None,
-    num_requests: Annotated[
-        int | None,
-        typer.Option(help="Measured requests per model and load point; default max(50, 10 x c), 100 with a rate."),
-    ] = None,
+    num_requests: NumRequestsOption = None,
     duration: Annotated[float | None, typer.Option(help="Seconds per model and load point instead.")] = None,
-    input_len: Annotated[
-        str, typer.Option(help="Prompt words: N, fixed:N, uniform:LOW,HIGH or normal:MEAN,STD.")
-    ] = "256",
+    input_len: InputLenOption = "256",
     output_len: Annotated[str, typer.Option(help="max_tokens, same forms as --input-len.")] = "128",
-    dataset: Annotated[
-        Path | None, typer.Option(help="JSONL prompts: {'prompt': ...} or {'messages': [...]}, optional 'max_tokens'.")
-    ] = None,
+    dataset: DatasetOption = None,
     prefix_groups: Annotated[int, typer.Option(help="Shared-prefix groups: each prompt starts with one of G.")] = 0,
     prefix_len: Annotated[int, typer.Option(help="Words in each shared prefix (a system message for chat).")] = 0,
-    endpoint: Annotated[
-        str, typer.Option(help="chat (/v1/chat/completions) or completions (/v1/completions).")
-    ] = "chat",
+    endpoint: EndpointOption = "chat",
     ignore_eos: Annotated[bool, typer.Option(help="Send ignore_eos so outputs run to max_tokens.")] = True,
     slo: Annotated[str | None, typer.Option(help="Goodput bounds in ms, any of ttft=200,tpot=50,e2el=5000.")] = None,
-    gpu_hour_price: Annotated[
-        float | None, typer.Option(help="USD per accelerator-hour, for cost per 1M tokens.")
-    ] = None,
+    gpu_hour_price: GpuHourPriceOption = None,
     gpus: Annotated[int | None, typer.Option(help="Accelerators serving the model.")] = None,
     api_key: Annotated[str | None, typer.Option(help="Bearer token sent to the server.")] = None,
-    warmup: Annotated[
-        int | None, typer.Option(help="Warm-up requests per model and load point; default c, 8 with a rate.")
-    ] = None,
+    warmup: WarmupOption = None,
     seed: Annotated[int, typer.Option(help="Seed for prompts, lengths and arrivals.")] = 0,
     workers: Annotated[str, typer.Option(help="Load-generator processes: N, or auto (1 per 256 streams).")] = "auto",
     timeout: Annotated[float, typer.Option(help="Seconds before one request counts as a timeout.")] = 600.0,
@@ -255,28 +287,25 @@ def bench(
 ) -> None:
     """Benchmark OpenAI-compatible servers: TTFT, TPOT, ITL, E2E percentiles, throughput, goodput and cost."""
     _require_loadgen()
-    from loadgen.config import BenchConfig, LengthSpec, parse_levels, parse_slo
-    from loadgen.runner import BenchRun
+    from loadgen.config import BenchConfig
 
     with _bench_errors():
         extra = _checked_bench_options(extra_body, concurrency, request_rate, endpoint)
+        parsed = _parsed_bench_fields(
+            concurrency=concurrency, request_rate=request_rate, input_len=input_len, output_len=output_len, slo=slo
+        )
         config = BenchConfig(
             url=url,
             models=tuple(model),
             out=out,
-            concurrency=tuple(int(c) for c in parse_levels(concurrency or "1", "--concurrency", integer=True)),
-            request_rate=tuple(parse_levels(request_rate, "--request-rate", integer=False)) if request_rate else (),
             max_concurrency=max_concurrency,
             num_requests=num_requests,
             duration=duration,
-            input_len=LengthSpec.parse(input_len, "--input-len"),
-            output_len=LengthSpec.parse(output_len, "--output-len"),
             dataset=dataset,
             prefix_groups=prefix_groups,
             prefix_len=prefix_len,
             endpoint=endpoint,  # type: ignore[arg-type]
             ignore_eos=ignore_eos,
-            slo=parse_slo(slo),
             gpu_hour_price=gpu_hour_price,
             gpus=gpus,
             api_key=api_key,
@@ -285,11 +314,9 @@ def bench(
             workers=None if workers == "auto" else _positive_int(workers, "--workers"),
             timeout=timeout,
             extra_body=extra,
+            **parsed,
         )
-        results = BenchRun(config).run()
-    if not any(run["metrics"]["requests"]["completed"] for run in results["runs"]):
-        typer.echo("error: no request completed", err=True)
-        raise typer.Exit(1)
+        _run_bench(config)
 
 
 def main() -> None:

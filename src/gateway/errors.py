@@ -247,21 +247,9 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
     OpenAI's error ``code``, and no Python reprs (values are shown as JSON, cut short)."""
     body = getattr(exc, "body", None)
     errors = exc.errors()
-    if not errors:
-        return APIError(400, "Invalid request body.", code="invalid_value")
-    first = errors[0]
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        message = "We could not parse the JSON body of your request. The body must be valid JSON."
-        return APIError(400, message, code="invalid_json")
-    if isinstance(body, bytes | bytearray):  # FastAPI reads JSON only when the Content-Type says so
-        message = (
-            f"The request body must be JSON sent with 'Content-Type: application/json', not {shown(content_type)}."
-        )
-        return APIError(400, message, code="invalid_content_type")
-    if body is None and first.get("loc") == ("body",):
-        return APIError(400, "The request body is empty; send a JSON object.", code="missing_required_parameter")
-
+    unreadable = _unreadable_body(errors, body, content_type)
+    if unreadable is not None:
+        return unreadable
     parts, error, located = _meant(errors, body)
     param = _dotted(parts)
     kind = error.get("type", "")
@@ -269,12 +257,7 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
     value = error.get("input")
     problem = ctx.get("error")
     if isinstance(problem, ParameterError):
-        param = _joined(param, problem.where)
-        if isinstance(problem, MissingParameter):
-            message = f"Missing required parameter: '{param}' ({problem.why})."
-            return APIError(400, message, param=param, code=problem.code)
-        verb = "Unsupported" if isinstance(problem, UnsupportedParameter) else "Invalid"
-        return APIError(400, f"{verb} value for '{param}': {problem.why}", param=param or None, code=problem.code)
+        return _parameter_error(problem, _joined(param, problem.where))
     name = param or "body"
     if kind == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
@@ -293,19 +276,52 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
         message = f"Invalid '{name}': expected a value {_BOUNDS[kind]} {bound}, but got {shown(value)} instead."
         return APIError(400, message, param=param or None, code=f"{number}_{which}_value")
     if kind in ("too_short", "too_long", "string_too_short", "string_too_long"):
-        what = "string" if kind.startswith("string") else "array"
-        if kind.endswith("too_short"):
-            code = f"empty_{what}" if not value else f"{what}_below_min_length"
-            limit = f"at least {ctx.get('min_length')}"
-        else:
-            code, limit = f"{what}_above_max_length", f"at most {ctx.get('max_length')}"
-        unit = "characters" if what == "string" else "items"
-        return APIError(400, f"Invalid '{name}': expected {limit} {unit}.", param=param or None, code=code)
+        return _length_error(kind, name, param, value, ctx)
     if kind in ("literal_error", "enum"):
         message = f"Invalid value for '{name}': {shown(value)}. Supported values are: {ctx.get('expected')}."
         return APIError(400, message, param=param or None, code="invalid_value")
     reason = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(400, f"Invalid value for '{name}': {reason[:200]}", param=param or None, code="invalid_value")
+
+
+def _unreadable_body(errors: Sequence[Any], body: Any, content_type: str | None) -> APIError | None:
+    """The error of a body that is no JSON object to validate (no errors listed, bad JSON, another content type,
+    empty), or None when validation looked at its fields."""
+    if not errors:
+        return APIError(400, "Invalid request body.", code="invalid_value")
+    first = errors[0]
+    if first.get("type", "") == "json_invalid":
+        message = "We could not parse the JSON body of your request. The body must be valid JSON."
+        return APIError(400, message, code="invalid_json")
+    if isinstance(body, bytes | bytearray):  # FastAPI reads JSON only when the Content-Type says so
+        message = (
+            f"The request body must be JSON sent with 'Content-Type: application/json', not {shown(content_type)}."
+        )
+        return APIError(400, message, code="invalid_content_type")
+    if body is None and first.get("loc") == ("body",):
+        return APIError(400, "The request body is empty; send a JSON object.", code="missing_required_parameter")
+    return None
+
+
+def _parameter_error(problem: ParameterError, param: str) -> APIError:
+    """A validator's own ``ParameterError``, at ``param`` (the field's path joined with the problem's)."""
+    if isinstance(problem, MissingParameter):
+        message = f"Missing required parameter: '{param}' ({problem.why})."
+        return APIError(400, message, param=param, code=problem.code)
+    verb = "Unsupported" if isinstance(problem, UnsupportedParameter) else "Invalid"
+    return APIError(400, f"{verb} value for '{param}': {problem.why}", param=param or None, code=problem.code)
+
+
+def _length_error(kind: str, name: str, param: str, value: Any, ctx: dict[str, Any]) -> APIError:
+    """A string or array shorter or longer than its bounds, with OpenAI's ``empty_*`` code for an empty one."""
+    what = "string" if kind.startswith("string") else "array"
+    if kind.endswith("too_short"):
+        code = f"empty_{what}" if not value else f"{what}_below_min_length"
+        limit = f"at least {ctx.get('min_length')}"
+    else:
+        code, limit = f"{what}_above_max_length", f"at most {ctx.get('max_length')}"
+    unit = "characters" if what == "string" else "items"
+    return APIError(400, f"Invalid '{name}': expected {limit} {unit}.", param=param or None, code=code)
 
 
 def internal_error(exc: Exception) -> APIError:

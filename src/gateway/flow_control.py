@@ -302,6 +302,21 @@ class FlowController:
             return
         queue = self._queues[tier if self.fair else "default"]
         bounds = self.bounds[tier if self.fair else "default"]
+        waiter = self._enqueue(request, admission, queue, bounds)
+        self._count(tier, key, 1)
+        arrived = self._clock()
+        try:
+            await self._await_slot(waiter, queue, bounds, admission, arrived)
+        finally:
+            self._count(tier, key, -1)
+        admission.waited = self._clock() - arrived
+        self._observe(admission)
+
+    def _enqueue(
+        self, request: GenerateRequest, admission: Admission, queue: _TierQueue, bounds: TierBounds
+    ) -> _Waiter:
+        """Queue a waiter for ``request`` and note how many are ahead of it; refuse it if the queue is full or
+        its predicted wait is longer than its tier waits."""
         if queue.queued >= bounds.max_queue:
             self._shed(admission, "queue_full")
             raise OverloadedError(
@@ -310,12 +325,13 @@ class FlowController:
                 retry_after=self._retry_after(self.queued),
                 code="backend_saturated",
             )
+        key = admission.key
         flow = key if key != ANONYMOUS or not request.user else f"user:{request.user}"
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), tier, flow, key)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), admission.tier, flow, key)
         if self.fair:
             cost = request_cost(request) / self._weights.get(key, 1.0)
             order = queue.push(waiter, request.priority, cost, next(self._sequence))
-            admission.ahead = self._ahead_in_better_tiers(tier) + queue.ahead_of(order)
+            admission.ahead = self._ahead_in_better_tiers(admission.tier) + queue.ahead_of(order)
         else:
             queue.push(waiter, 0, 0.0, next(self._sequence))
             admission.ahead = queue.queued - 1
@@ -329,14 +345,17 @@ class FlowController:
                 retry_after=predicted,
                 code="backend_saturated",
             )
-        self._count(tier, key, 1)
-        arrived = self._clock()
+        return waiter
+
+    async def _await_slot(
+        self, waiter: _Waiter, queue: _TierQueue, bounds: TierBounds, admission: Admission, arrived: float
+    ) -> None:
+        """Wait up to the tier's timeout for ``waiter`` to be handed a slot; on timeout or cancellation it leaves
+        the queue (a slot handed over meanwhile is kept on timeout, passed on when the caller goes away)."""
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), bounds.queue_timeout)
         except TimeoutError:
             if waiter.future.done() and not waiter.future.cancelled():
-                admission.waited = self._clock() - arrived
-                self._observe(admission)
                 return  # the slot arrived just as the wait ran out: keep it
             waiter.future.cancel()
             queue.remove(waiter)
@@ -356,10 +375,6 @@ class FlowController:
             admission.outcome = "left"
             admission.waited = self._clock() - arrived
             raise
-        finally:
-            self._count(tier, key, -1)
-        admission.waited = self._clock() - arrived
-        self._observe(admission)
 
     def release(self, service_seconds: float) -> None:
         """A slot is free (held ``service_seconds``): it passes to the next waiter, if any."""

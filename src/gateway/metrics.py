@@ -369,76 +369,9 @@ class _BackendCollector(Collector):
         self._backends = backends
 
     def collect(self) -> Iterable[Metric]:
-        ready = GaugeMetricFamily("gateway_backend_ready", "1 when the backend can take requests.", labels=["backend"])
-        steps = CounterMetricFamily("gateway_engine_steps", "Engine steps driven.", labels=["backend"])
-        tokens = CounterMetricFamily("gateway_engine_output_tokens", "Tokens read from the engine.", labels=["backend"])
-        busy = CounterMetricFamily(
-            "gateway_engine_busy_seconds", "Engine-thread time not spent waiting for work.", labels=["backend"]
-        )
-        inside = CounterMetricFamily(
-            "gateway_engine_step_seconds", "Engine-thread time inside step() and flush.", labels=["backend"]
-        )
-        paced = CounterMetricFamily(
-            "gateway_engine_backpressure_seconds",
-            "Engine-thread time waiting for the event loop to take earlier outputs (the loop is the bottleneck).",
-            labels=["backend"],
-        )
-        running = GaugeMetricFamily(
-            "gateway_engine_requests", "Requests registered with the engine driver.", labels=["backend"]
-        )
-        admitted = GaugeMetricFamily(
-            "gateway_admission_in_flight", "Requests holding an admission slot.", labels=["backend"]
-        )
-        queued = GaugeMetricFamily("gateway_admission_queued", "Requests waiting for a slot.", labels=["backend"])
-        rejected = CounterMetricFamily(
-            "gateway_admission_rejected", "Requests refused with 503 (queue full or wait too long).", labels=["backend"]
-        )
-        depth = GaugeMetricFamily(
-            "gateway_admission_queue_depth",
-            "Requests waiting for a slot, by service tier and API key.",
-            labels=["backend", "tier", "key"],
-        )
-        # The names of the Gateway API Inference Extension's model-server protocol (vLLM's), for an endpoint
-        # picker or KEDA: README, Flow control.
-        waiting = GaugeMetricFamily(
-            "vllm:num_requests_waiting", "Requests waiting for a slot (TotalQueuedRequests).", labels=["backend"]
-        )
-        running_slots = GaugeMetricFamily(
-            "vllm:num_requests_running", "Requests holding a slot (TotalRunningRequests).", labels=["backend"]
-        )
-        kv_usage = GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc",
-            "Fraction of KV-cache blocks in use, 1 = full (KVCacheUtilization).",
-            labels=["backend"],
-        )
-        for backend in self._backends:
-            if isinstance(backend, GatedBackend):
-                gate = backend.gate
-                admitted.add_metric([backend.name], gate.in_flight)
-                queued.add_metric([backend.name], gate.queued)
-                rejected.add_metric([backend.name], gate.rejected)
-                waiting.add_metric([backend.name], gate.queued)
-                running_slots.add_metric([backend.name], gate.in_flight)
-                for tier, key, count in gate.depths():
-                    depth.add_metric([backend.name, tier, key], count)
-            sampled = capability(backend, MetricSamplesBackend)
-            if sampled is not None:
-                for name, _, _, value in sampled.metric_samples():
-                    if name == KV_CACHE_SAMPLE:
-                        kv_usage.add_metric([backend.name], value)
-            ready.add_metric([backend.name], 1.0 if backend.readiness()[0] else 0.0)
-            driven = capability(backend, DrivenBackend)
-            if driven is not None:
-                driver = driven.driver
-                stats = driver.stats
-                steps.add_metric([backend.name], stats.steps)
-                tokens.add_metric([backend.name], stats.tokens)
-                paced.add_metric([backend.name], stats.backpressure_seconds)
-                busy.add_metric([backend.name], stats.busy_seconds)
-                inside.add_metric([backend.name], stats.engine_seconds)
-                running.add_metric([backend.name], driver.in_flight)
-        yield from (ready, steps, tokens, busy, inside, paced, running, admitted, queued, rejected, depth)
-        yield from (waiting, running_slots, kv_usage)
+        yield from _readiness_and_driver_families(self._backends)
+        yield from _admission_families(self._backends)
+        yield _kv_usage_family(self._backends)
         yield from self._engine_samples()
         yield from self._backend_families()
 
@@ -487,3 +420,90 @@ class _StateStoreCollector(Collector):
         failures = CounterMetricFamily("gateway_state_store_failures", "Calls to the shared state store that failed.")
         failures.add_metric([], self._store.failures)
         yield from (up, failures)
+
+
+def _readiness_and_driver_families(backends: list[Backend]) -> list[Metric]:
+    """Each backend's readiness and, for engine-driven backends, the driver's step, token and time counters."""
+    ready = GaugeMetricFamily("gateway_backend_ready", "1 when the backend can take requests.", labels=["backend"])
+    steps = CounterMetricFamily("gateway_engine_steps", "Engine steps driven.", labels=["backend"])
+    tokens = CounterMetricFamily("gateway_engine_output_tokens", "Tokens read from the engine.", labels=["backend"])
+    busy = CounterMetricFamily(
+        "gateway_engine_busy_seconds", "Engine-thread time not spent waiting for work.", labels=["backend"]
+    )
+    inside = CounterMetricFamily(
+        "gateway_engine_step_seconds", "Engine-thread time inside step() and flush.", labels=["backend"]
+    )
+    paced = CounterMetricFamily(
+        "gateway_engine_backpressure_seconds",
+        "Engine-thread time waiting for the event loop to take earlier outputs (the loop is the bottleneck).",
+        labels=["backend"],
+    )
+    running = GaugeMetricFamily(
+        "gateway_engine_requests", "Requests registered with the engine driver.", labels=["backend"]
+    )
+    for backend in backends:
+        ready.add_metric([backend.name], 1.0 if backend.readiness()[0] else 0.0)
+        driven = capability(backend, DrivenBackend)
+        if driven is None:
+            continue
+        stats = driven.driver.stats
+        steps.add_metric([backend.name], stats.steps)
+        tokens.add_metric([backend.name], stats.tokens)
+        paced.add_metric([backend.name], stats.backpressure_seconds)
+        busy.add_metric([backend.name], stats.busy_seconds)
+        inside.add_metric([backend.name], stats.engine_seconds)
+        running.add_metric([backend.name], driven.driver.in_flight)
+    return [ready, steps, tokens, busy, inside, paced, running]
+
+
+def _admission_families(backends: list[Backend]) -> list[Metric]:
+    """Admission slots and queues of gated backends, under the gateway's names and then under the names of the
+    Gateway API Inference Extension's model-server protocol (vLLM's), for an endpoint picker or KEDA: README,
+    Flow control."""
+    admitted = GaugeMetricFamily(
+        "gateway_admission_in_flight", "Requests holding an admission slot.", labels=["backend"]
+    )
+    queued = GaugeMetricFamily("gateway_admission_queued", "Requests waiting for a slot.", labels=["backend"])
+    rejected = CounterMetricFamily(
+        "gateway_admission_rejected", "Requests refused with 503 (queue full or wait too long).", labels=["backend"]
+    )
+    depth = GaugeMetricFamily(
+        "gateway_admission_queue_depth",
+        "Requests waiting for a slot, by service tier and API key.",
+        labels=["backend", "tier", "key"],
+    )
+    waiting = GaugeMetricFamily(
+        "vllm:num_requests_waiting", "Requests waiting for a slot (TotalQueuedRequests).", labels=["backend"]
+    )
+    running_slots = GaugeMetricFamily(
+        "vllm:num_requests_running", "Requests holding a slot (TotalRunningRequests).", labels=["backend"]
+    )
+    for backend in backends:
+        if not isinstance(backend, GatedBackend):
+            continue
+        gate = backend.gate
+        admitted.add_metric([backend.name], gate.in_flight)
+        queued.add_metric([backend.name], gate.queued)
+        rejected.add_metric([backend.name], gate.rejected)
+        waiting.add_metric([backend.name], gate.queued)
+        running_slots.add_metric([backend.name], gate.in_flight)
+        for tier, key, count in gate.depths():
+            depth.add_metric([backend.name, tier, key], count)
+    return [admitted, queued, rejected, depth, waiting, running_slots]
+
+
+def _kv_usage_family(backends: list[Backend]) -> Metric:
+    """The engines' KV-cache usage under the inference extension's name (KVCacheUtilization)."""
+    kv_usage = GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc",
+        "Fraction of KV-cache blocks in use, 1 = full (KVCacheUtilization).",
+        labels=["backend"],
+    )
+    for backend in backends:
+        sampled = capability(backend, MetricSamplesBackend)
+        if sampled is None:
+            continue
+        for name, _, _, value in sampled.metric_samples():
+            if name == KV_CACHE_SAMPLE:
+                kv_usage.add_metric([backend.name], value)
+    return kv_usage

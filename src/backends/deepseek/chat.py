@@ -97,31 +97,12 @@ class DeepSeekV41ChatTemplate:
         thinking, effort = self.thinking_mode(request, forced_call=forced is not None)
         prompt_tools = None if choice == "none" else (forced if choice == "named" else tools)
 
-        try:
-            so_args = response_format_so_args(request.response_format)
-        except ConstraintLimitError as exc:
-            raise InvalidRequestError(str(exc), param=exc.path) from None
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="response_format") from None
+        so_args = _response_format_so_args(request.response_format, prompt_tools)
         so_param = "response_format" if so_args is not None else None
-        if so_args is not None and prompt_tools is not None:
-            raise InvalidRequestError(
-                "response_format cannot be combined with tools unless tool_choice is 'none': the output constraint "
-                "would make tool calls impossible",
-                param="response_format",
-            )
         single_call = request.parallel_tool_calls is False
         if forced is not None:
             assert tools is not None, "a forced call is among the request's tools"
-            _check_forced_sizes(forced, tools)
-            try:
-                grammar = tool_call_grammar([tool["function"] for tool in forced], parallel=not single_call)
-            except ToolSchemaError as exc:
-                where = f"tools[{tools.index(forced[exc.index])}].function.parameters"
-                if exc.where:
-                    where += "." + exc.where
-                raise InvalidRequestError(f"{where}: {exc}", param=where) from None
-            so_args, so_param = {"schema_type": "ebnf", "schema": grammar}, "tool_choice"
+            so_args, so_param = _forced_call_so_args(forced, tools, single_call=single_call), "tool_choice"
 
         # A forced call is rendered as "auto": the grammar writes the calls block the library would prefill.
         library_choice: LibraryToolChoice = "none" if choice == "none" else "auto"
@@ -146,13 +127,9 @@ class DeepSeekV41ChatTemplate:
         if so_args is not None and in_reasoning:
             so_args["trigger_token_ids"] = think_end  # reasoning stays free; the constraint starts after it
         continued = request.messages[-1].get("prefix") is True  # a prefix continuation keeps leading newlines
-        if in_reasoning:
-            stage = Stage.REASONING_CONTINUATION if continued else Stage.REASONING
-        else:
-            stage = Stage.CONTENT_CONTINUATION if continued else Stage.CONTENT
         parser = functools.partial(
             DeepSeekV41OutputParser,
-            stage=stage,
+            stage=_output_stage(in_reasoning=in_reasoning, continued=continued),
             tools=tool_schemas(prompt_tools) if prompt_tools is not None else None,
             max_calls=1 if single_call else None,
             literal_content=so_param == "response_format",
@@ -300,3 +277,44 @@ def _tool_choice(
     if not named:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
     return "named", named[:1]
+
+
+def _response_format_so_args(
+    response_format: Mapping[str, Any] | None, prompt_tools: list[dict[str, Any]] | None
+) -> dict[str, Any] | None:
+    """The engine constraint for ``response_format``, refused alongside tools the prompt offers."""
+    try:
+        so_args = response_format_so_args(response_format)
+    except ConstraintLimitError as exc:
+        raise InvalidRequestError(str(exc), param=exc.path) from None
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="response_format") from None
+    if so_args is not None and prompt_tools is not None:
+        raise InvalidRequestError(
+            "response_format cannot be combined with tools unless tool_choice is 'none': the output constraint "
+            "would make tool calls impossible",
+            param="response_format",
+        )
+    return so_args
+
+
+def _forced_call_so_args(
+    forced: list[dict[str, Any]], tools: list[dict[str, Any]], *, single_call: bool
+) -> dict[str, Any]:
+    """The grammar constraint that makes the output a call of the forced tools, errors naming the tool's schema."""
+    _check_forced_sizes(forced, tools)
+    try:
+        grammar = tool_call_grammar([tool["function"] for tool in forced], parallel=not single_call)
+    except ToolSchemaError as exc:
+        where = f"tools[{tools.index(forced[exc.index])}].function.parameters"
+        if exc.where:
+            where += "." + exc.where
+        raise InvalidRequestError(f"{where}: {exc}", param=where) from None
+    return {"schema_type": "ebnf", "schema": grammar}
+
+
+def _output_stage(*, in_reasoning: bool, continued: bool) -> Stage:
+    """Where the output parser starts: in reasoning or content, continuing a prefix message or not."""
+    if in_reasoning:
+        return Stage.REASONING_CONTINUATION if continued else Stage.REASONING
+    return Stage.CONTENT_CONTINUATION if continued else Stage.CONTENT

@@ -271,22 +271,9 @@ class DeepSeekV41OutputParser:
                 if self._state == _DONE:
                     return
                 self._buf = buf[at + len(tag) :]
-                if self._stops is not None and state == _CONTENT:
-                    if self._stop_at(self._stops.peek(_seen_of(tag))):
-                        return
-                    # A stop never spans a tag: what came before it goes out (with a </think>, the newlines too).
-                    self._out_content.append(self._stops.restart() + (self._held_newlines if tag == THINK_END else ""))
-                    self._held_newlines = ""
-                if tag == THINK_END:
-                    if state == _REASONING:  # the answer starts
-                        self._held_newlines = ""
-                        self._state = _CONTENT
-                        self._leading = True
-                    else:  # a </think> in the answer is dropped; the newlines before it are answer
-                        self._release_newlines()
-                else:  # a DSML calls block, or a call written without it
-                    self._held_newlines = ""
-                    self._state = _CALLS if tag == DSML_CALLS_START else _NAME
+                if self._stops is not None and state == _CONTENT and self._stop_at_tag(tag):
+                    return
+                self._enter_tag(tag, state)
             elif state == _CALLS:
                 at, tag = _earliest(buf, _CALLS_TAGS)
                 if tag is None:
@@ -313,6 +300,30 @@ class DeepSeekV41OutputParser:
                 self._end_call(buf[:at])
                 self._buf = buf[at + len(tag) :]
                 self._state = _CALLS if tag == DSML_INVOKE_END else _DONE
+
+    def _stop_at_tag(self, tag: str) -> bool:
+        """A stop sequence ending in ``tag`` ends the answer (True); otherwise what the stop matcher held before
+        the tag goes out, since a stop never spans a tag (with a </think>, the newlines before it too)."""
+        assert self._stops is not None
+        if self._stop_at(self._stops.peek(_seen_of(tag))):
+            return True
+        self._out_content.append(self._stops.restart() + (self._held_newlines if tag == THINK_END else ""))
+        self._held_newlines = ""
+        return False
+
+    def _enter_tag(self, tag: str, state: int) -> None:
+        """Move past a tag found in reasoning or content: </think> starts the answer (or is dropped inside it), a
+        DSML tag starts a calls block or a call."""
+        if tag == THINK_END:
+            if state == _REASONING:  # the answer starts
+                self._held_newlines = ""
+                self._state = _CONTENT
+                self._leading = True
+            else:  # a </think> in the answer is dropped; the newlines before it are answer
+                self._release_newlines()
+        else:  # a DSML calls block, or a call written without it
+            self._held_newlines = ""
+            self._state = _CALLS if tag == DSML_CALLS_START else _NAME
 
     def _emit_text(self, text: str) -> None:
         """Text of the current channel: leading newlines dropped at its start, trailing ones held back."""

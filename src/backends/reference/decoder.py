@@ -70,22 +70,13 @@ class BatchDecoder:
     def _sample(self, batch: RunningBatch, rows: np.ndarray, done: np.ndarray) -> list[EngineOutput]:
         """Sample one token for each of ``rows``, advance their state, mark finished rows in ``done``."""
         b = batch.arrays
-        model = self.model
-        eos = EOS_TOKEN_ID
         pos = b.pos[rows]
-        ids, base = model.candidates(b.prev2[rows], b.prev1[rows], b.region[rows])
+        ids, base = self.model.candidates(b.prev2[rows], b.prev1[rows], b.region[rows])
         ids = ids.astype(np.int64)
         probs = base.astype(np.float64)
         no_eos = b.no_eos_first[rows] & (pos == 0)
         if no_eos.any():
-            masked = np.flatnonzero(no_eos)
-            sub = probs[masked]
-            sub[ids[masked] == eos] = 0.0
-            empty = sub.sum(axis=1) <= 0.0
-            if empty.any():  # EOS was the only candidate: continue with ordinary text instead
-                ids[masked[empty]] = model.unigram_ids
-                sub[empty] = model.unigram_probs
-            probs[masked] = sub
+            self._mask_eos(ids, probs, np.flatnonzero(no_eos))
         structured = self._constrain(batch, rows, ids, probs, no_eos) if batch.num_so else None
         probs = sampler.process(probs, b.temperature[rows], b.top_k[rows], b.top_p[rows], b.greedy[rows])
         column = sampler.draw(probs, sampler.uniforms(b.key[rows], pos))
@@ -97,55 +88,46 @@ class BatchDecoder:
         failed_rows = (
             self._advance_structured(batch, rows, structured, tokens, chosen) if structured is not None else None
         )
+        count, code = self._advance(batch, rows, pos, tokens, failed_rows)
+        done[rows] = code != _GOING
+        n_top = b.n_top[rows]
+        if failed_rows is not None:
+            n_top = np.where(code == _SO_FAILED, 0, n_top)  # synthetic outputs carry no top logprobs
+        top_values, top_tokens = _top_logprobs(ids, probs, n_top)
+        return _engine_outputs(batch, rows, tokens, code, count, chosen, top_values, top_tokens)
 
-        # Advance the state of every sampled row.
-        region = model.region_of_token[tokens]
+    def _mask_eos(self, ids: np.ndarray, probs: np.ndarray, masked: np.ndarray) -> None:
+        """``first_n_token_no_eos``: zero EOS among the candidates of the ``masked`` rows, in place."""
+        sub = probs[masked]
+        sub[ids[masked] == EOS_TOKEN_ID] = 0.0
+        empty = sub.sum(axis=1) <= 0.0
+        if empty.any():  # EOS was the only candidate: continue with ordinary text instead
+            ids[masked[empty]] = self.model.unigram_ids
+            sub[empty] = self.model.unigram_probs
+        probs[masked] = sub
+
+    def _advance(
+        self,
+        batch: RunningBatch,
+        rows: np.ndarray,
+        pos: np.ndarray,
+        tokens: np.ndarray,
+        failed_rows: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Advance the state of every sampled row; returns their token counts and finish codes."""
+        b = batch.arrays
+        region = self.model.region_of_token[tokens]
         b.region[rows] = np.where(region >= 0, region, b.region[rows])
         b.prev2[rows] = b.prev1[rows]
         b.prev1[rows] = tokens
         count = pos + 1
         b.pos[rows] = count
-        stopped = (tokens == eos) & ~b.ignore_eos[rows]
+        stopped = (tokens == EOS_TOKEN_ID) & ~b.ignore_eos[rows]
         capped = (count >= b.max_tokens[rows]) | (b.prompt_len[rows] + count > self.max_model_len)
         code = np.where(stopped, _STOPPED, np.where(capped, _CAPPED, _GOING))
         if failed_rows is not None:
             code[failed_rows] = _SO_FAILED
-        finished = code != _GOING
-        done[rows] = finished
-
-        n = rows.size
-        top_values: list[Any] = [_EMPTY] * n
-        top_tokens: list[Any] = [_EMPTY] * n
-        n_top = b.n_top[rows]
-        if failed_rows is not None:
-            n_top = np.where(code == _SO_FAILED, 0, n_top)  # synthetic outputs carry no top logprobs
-        wanted = np.flatnonzero(n_top > 0)
-        if wanted.size:
-            columns, values = sampler.top_logprobs(probs[wanted], int(n_top[wanted].max()))
-            token_rows = np.take_along_axis(ids[wanted], columns, axis=1).tolist()
-            value_rows = values.tolist()
-            for j, (i, k) in enumerate(zip(wanted.tolist(), n_top[wanted].tolist(), strict=True)):
-                top_values[i] = value_rows[j][:k]
-                top_tokens[i] = token_rows[j][:k]
-
-        all_rows = n == len(batch.request_ids)
-        request_ids = batch.request_ids if all_rows else [batch.request_ids[i] for i in rows.tolist()]
-        prompt_lens = batch.prompt_lens if all_rows else [batch.prompt_lens[i] for i in rows.tolist()]
-        any_finished = bool(finished.any())
-        return list(
-            map(
-                EngineOutput,
-                request_ids,
-                tokens.tolist(),
-                finished.tolist() if any_finished else repeat(False, n),
-                _REASONS[code].tolist() if any_finished else repeat("", n),
-                count.tolist(),
-                prompt_lens,
-                chosen.tolist(),
-                top_values,
-                top_tokens,
-            )
-        )
+        return count, code
 
     def _constrain(
         self, batch: RunningBatch, rows: np.ndarray, ids: np.ndarray, probs: np.ndarray, no_eos: np.ndarray
@@ -215,3 +197,52 @@ class BatchDecoder:
             tokens[i] = token
             match = np.flatnonzero(ids[i] == token)
             chosen[i] = sampler.logprobs(probs[i, match[0]]) if match.size else sampler.LOGPROB_FLOOR
+
+
+def _top_logprobs(ids: np.ndarray, probs: np.ndarray, n_top: np.ndarray) -> tuple[list[Any], list[Any]]:
+    """Each row's ``n_top`` most likely candidates: their logprobs and token ids (empty where none are wanted)."""
+    n = n_top.size
+    top_values: list[Any] = [_EMPTY] * n
+    top_tokens: list[Any] = [_EMPTY] * n
+    wanted = np.flatnonzero(n_top > 0)
+    if wanted.size:
+        columns, values = sampler.top_logprobs(probs[wanted], int(n_top[wanted].max()))
+        token_rows = np.take_along_axis(ids[wanted], columns, axis=1).tolist()
+        value_rows = values.tolist()
+        for j, (i, k) in enumerate(zip(wanted.tolist(), n_top[wanted].tolist(), strict=True)):
+            top_values[i] = value_rows[j][:k]
+            top_tokens[i] = token_rows[j][:k]
+    return top_values, top_tokens
+
+
+def _engine_outputs(
+    batch: RunningBatch,
+    rows: np.ndarray,
+    tokens: np.ndarray,
+    code: np.ndarray,
+    count: np.ndarray,
+    chosen: np.ndarray,
+    top_values: list[Any],
+    top_tokens: list[Any],
+) -> list[EngineOutput]:
+    """One ``EngineOutput`` per sampled row, built column-wise (no per-row branching when nothing finished)."""
+    n = rows.size
+    all_rows = n == len(batch.request_ids)
+    request_ids = batch.request_ids if all_rows else [batch.request_ids[i] for i in rows.tolist()]
+    prompt_lens = batch.prompt_lens if all_rows else [batch.prompt_lens[i] for i in rows.tolist()]
+    finished = code != _GOING
+    any_finished = bool(finished.any())
+    return list(
+        map(
+            EngineOutput,
+            request_ids,
+            tokens.tolist(),
+            finished.tolist() if any_finished else repeat(False, n),
+            _REASONS[code].tolist() if any_finished else repeat("", n),
+            count.tolist(),
+            prompt_lens,
+            chosen.tolist(),
+            top_values,
+            top_tokens,
+        )
+    )

@@ -145,24 +145,9 @@ class ReferenceEngine:
             raise RuntimeError("engine is closed")
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if self._seed_source is not None:
-            if sampling_params is None:
-                sampling_params = {}
-            if isinstance(sampling_params, dict) and sampling_params.get("seq_seed") is None:
-                sampling_params = {**sampling_params, "seq_seed": self._seed_source.getrandbits(64)}
-        params = SamplingParams.from_request(sampling_params)
-        params.eos_id = EOS_TOKEN_ID
-        golden = params.golden_token_ids
-        if golden and not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in golden):
-            raise ValueError("golden_token_ids must be token ids within the vocabulary")
+        params = self._sampling_params(sampling_params)
         prompt = prompt_token_ids
-        if not (
-            isinstance(prompt, np.ndarray)
-            and prompt.dtype == np.int32
-            and prompt.ndim == 1
-            and prompt.flags.c_contiguous
-        ):
-            raise TypeError("prompt_token_ids must be a 1-D C-contiguous numpy array of dtype int32")
+        _check_prompt_array(prompt)
         images = None
         if multi_modal_data is not None:  # DeepInfer expands the placeholders first, then checks the ids
             images = expand_images(prompt, self._image_token, self.vocab_size, multi_modal_data)
@@ -186,21 +171,43 @@ class ReferenceEngine:
         if params.prompt_logprobs:
             seq.prompt_logprobs = prompt_logprobs(self.model, text, self._background)
         self._live[request_id] = seq
-        if so_args is not None:
-            # DeepInfer compiles on a thread pool and enqueues the request from a later step(); here the grammar
-            # was compiled by compile_so_args (or is compiled now, cached per schema), so the request is visible
-            # to abort_request at once.
-            try:
-                seq.so = self._structured.compile(so_args)
-            except StructuredOutputError as exc:
-                seq.so_error = str(exc)
-                logger.info("request %s: so_args failed: %s", request_id, exc)
-                seq.status = SequenceStatus.FINISHED_SO_FAILED
-                self._pending.append(seq.synthetic_output(FinishReason.SO_FAILED))
-                return seq
+        if so_args is not None and not self._compile_grammar(seq, so_args):
+            return seq
         self._waiting.append(seq)
         self._num_waiting += 1
         return seq
+
+    def _sampling_params(self, sampling_params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+        """The request's sampling parameters, seeded from the engine's seed when it brings none."""
+        if self._seed_source is not None:
+            if sampling_params is None:
+                sampling_params = {}
+            if isinstance(sampling_params, dict) and sampling_params.get("seq_seed") is None:
+                sampling_params = {**sampling_params, "seq_seed": self._seed_source.getrandbits(64)}
+        params = SamplingParams.from_request(sampling_params)
+        params.eos_id = EOS_TOKEN_ID
+        golden = params.golden_token_ids
+        if golden and not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in golden):
+            raise ValueError("golden_token_ids must be token ids within the vocabulary")
+        return params
+
+    def _compile_grammar(self, seq: ReferenceSequence, so_args: Mapping[str, Any]) -> bool:
+        """Attach the compiled grammar to ``seq``; if it does not compile, finish ``seq`` with ``so_failed`` (an
+        output for the next step) and return False.
+
+        DeepInfer compiles on a thread pool and enqueues the request from a later step(); here the grammar was
+        compiled by compile_so_args (or is compiled now, cached per schema), so the request is visible to
+        abort_request at once.
+        """
+        try:
+            seq.so = self._structured.compile(so_args)
+        except StructuredOutputError as exc:
+            seq.so_error = str(exc)
+            logger.info("request %s: so_args failed: %s", seq.request_id, exc)
+            seq.status = SequenceStatus.FINISHED_SO_FAILED
+            self._pending.append(seq.synthetic_output(FinishReason.SO_FAILED))
+            return False
+        return True
 
     def abort_request(self, request_id: str | Iterable[str]) -> tuple[int, int]:
         """Abort live requests; returns (number aborted, sum of their lengths). Running aborts emit nothing."""
@@ -372,3 +379,11 @@ def attach_cached_tokens(outputs: list[EngineOutput], cached: dict[str, int]) ->
             outputs[position] = out._replace(num_cached_tokens=hit)
             if not cached:
                 return
+
+
+def _check_prompt_array(prompt: Any) -> None:
+    """DeepInfer takes prompts only as 1-D C-contiguous int32 numpy arrays; anything else is a TypeError."""
+    if not (
+        isinstance(prompt, np.ndarray) and prompt.dtype == np.int32 and prompt.ndim == 1 and prompt.flags.c_contiguous
+    ):
+        raise TypeError("prompt_token_ids must be a 1-D C-contiguous numpy array of dtype int32")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -204,6 +205,15 @@ def _dense(
     return ids, table, filled
 
 
+class _Events(NamedTuple):
+    """Training events: predict ``nxt`` from ``(prev2, prev1, region)``, one per token but a sequence's first."""
+
+    nxt: np.ndarray
+    prev1: np.ndarray
+    prev2: np.ndarray
+    region: np.ndarray
+
+
 def train(
     sequences: Sequence[np.ndarray],
     vocab_size: int,
@@ -212,42 +222,83 @@ def train(
     min_trigram_count: int = MIN_TRIGRAM_COUNT,
 ) -> NGramModel:
     """Count the n-grams of ``sequences`` (1-D int token arrays) and build the candidate tables."""
-    v = np.int64(vocab_size)
+    events = _events(sequences, region_of_token)
+    uni_ids, uni_probs, filler = _unigram(events, region_of_token, vocab_size, k)
+    bi_ids, bi_probs = _bigram(events, np.int64(vocab_size), uni_ids, uni_probs, filler, k)
+    keys, tri_ids, tri_probs = _trigram(events, np.int64(vocab_size), bi_ids, bi_probs, filler, k, min_trigram_count)
+    id_type = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+    return NGramModel(
+        vocab_size=vocab_size,
+        region_of_token=region_of_token.astype(np.int64),
+        bigram_ids=bi_ids.astype(id_type),
+        bigram_probs=bi_probs.astype(np.float16),
+        trigram_keys=keys.astype(np.int64),
+        trigram_ids=tri_ids.astype(id_type),
+        trigram_probs=tri_probs.astype(np.float16),
+        unigram_ids=uni_ids.astype(id_type),
+        unigram_probs=uni_probs.astype(np.float16),
+    )
+
+
+def _events(sequences: Sequence[np.ndarray], region_of_token: np.ndarray) -> _Events:
+    """Every token of ``sequences`` but the first of each, with the two tokens and the region before it."""
     tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences])
     lengths = np.array([len(s) for s in sequences], dtype=np.int64)
     starts = np.r_[0, np.cumsum(lengths)[:-1]]
     regions = regions_after(tokens, starts, region_of_token)
-
-    # Events: predict tokens[j] from (prev2, prev1, region) for every j that is not a sequence's first token.
     is_first = np.zeros(tokens.size, dtype=bool)
     is_first[starts] = True
     j = np.flatnonzero(~is_first)
-    nxt = tokens[j]
-    prev1 = tokens[j - 1]
     prev2 = np.where(is_first[j - 1], NO_TOKEN, tokens[j - 2])
-    region = regions[j - 1]
+    return _Events(nxt=tokens[j], prev1=tokens[j - 1], prev2=prev2, region=regions[j - 1])
 
-    # Unigram fallback: ordinary text tokens only (no markers, no EOS), so an unseen context continues text.
+
+def _unigram(
+    events: _Events, region_of_token: np.ndarray, vocab_size: int, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The unigram fallback row (ids, probabilities) and the filler ids that pad short rows.
+
+    Ordinary text tokens only (no markers, no EOS), so an unseen context continues text.
+    """
+    nxt = events.nxt
     text = nxt[(region_of_token[nxt] < 0) & (nxt > 2)]
     counts = np.bincount(text, minlength=vocab_size).astype(np.float64)
     by_count = np.lexsort((np.arange(vocab_size), -counts))
     uni_ids = by_count[:k]
     uni_probs = counts[uni_ids] / counts[uni_ids].sum()
-    filler = by_count[: 2 * k].astype(np.int32)
+    return uni_ids, uni_probs, by_count[: 2 * k].astype(np.int32)
 
-    # Bigram: maximum likelihood over the top k; unseen contexts fall back to the unigram row.
-    ctx, tok, probs, rank = _top_k_rows(region * v + prev1, nxt, np.ones(nxt.size), k)
+
+def _bigram(
+    events: _Events, v: np.int64, uni_ids: np.ndarray, uni_probs: np.ndarray, filler: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bigram rows per (region, prev1): maximum likelihood over the top k; unseen contexts get the unigram row."""
+    ctx, tok, probs, rank = _top_k_rows(events.region * v + events.prev1, events.nxt, np.ones(events.nxt.size), k)
     bi_ids, bi_probs, filled = _dense(int(NUM_REGIONS * v), ctx, tok, probs, rank, k)
     unseen = filled == 0
     bi_ids[unseen] = uni_ids
     bi_probs[unseen] = uni_probs
     filled[unseen] = k
     _pad_rows(bi_ids, bi_probs, filled, filler)
+    return bi_ids, bi_probs
 
-    # Trigram, interpolated with its bigram row: lambda = N / (N + T) (Witten-Bell).
-    has2 = prev2 >= 0
-    tri_key = (region[has2] * v + prev2[has2]) * v + prev1[has2]
-    tri_next = nxt[has2]
+
+def _trigram(
+    events: _Events,
+    v: np.int64,
+    bi_ids: np.ndarray,
+    bi_probs: np.ndarray,
+    filler: np.ndarray,
+    k: int,
+    min_trigram_count: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Trigram keys and rows for frequent contexts, interpolated with their bigram row (Witten-Bell).
+
+    lambda = N / (N + T): N events of the context, T distinct next tokens.
+    """
+    has2 = events.prev2 >= 0
+    tri_key = (events.region[has2] * v + events.prev2[has2]) * v + events.prev1[has2]
+    tri_next = events.nxt[has2]
     keys, key_index, key_count = np.unique(tri_key, return_inverse=True, return_counts=True)
     frequent = key_count >= min_trigram_count
     remap = np.cumsum(frequent) - 1
@@ -267,19 +318,7 @@ def train(
     )
     tri_ids, tri_probs, filled = _dense(keys.size, ctx, tok, probs, rank, k)
     _pad_rows(tri_ids, tri_probs, filled, filler)
-
-    id_type = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
-    return NGramModel(
-        vocab_size=vocab_size,
-        region_of_token=region_of_token.astype(np.int64),
-        bigram_ids=bi_ids.astype(id_type),
-        bigram_probs=bi_probs.astype(np.float16),
-        trigram_keys=keys.astype(np.int64),
-        trigram_ids=tri_ids.astype(id_type),
-        trigram_probs=tri_probs.astype(np.float16),
-        unigram_ids=uni_ids.astype(id_type),
-        unigram_probs=uni_probs.astype(np.float16),
-    )
+    return keys, tri_ids, tri_probs
 
 
 def smoothed(in_context: np.ndarray, background: np.ndarray) -> np.ndarray:

@@ -83,19 +83,7 @@ def canonical_message(message: Any, where: str) -> dict[str, Any]:
 
 def canonical_block(block: Any, where: str, role: str) -> dict[str, Any]:
     """A content block in its canonical shape, or a ``ParameterError`` naming what is wrong with it."""
-    if not isinstance(block, dict):
-        raise ParameterError(where, "a content block must be an object")
-    kind = block.get("type")
-    if not isinstance(kind, str):
-        raise ParameterError(f"{where}.type", f"expected a string, got {shown(kind)}")
-    if kind in UNSUPPORTED_BLOCKS:
-        raise UnsupportedParameter(f"{where}.type", UNSUPPORTED_BLOCKS[kind])
-    if kind not in BLOCKS_BY_ROLE[role]:
-        allowed = ", ".join(sorted(BLOCKS_BY_ROLE[role]))
-        raise ParameterError(f"{where}.type", f"a {role} message takes blocks of type {allowed}, not {shown(kind)}")
-    extra = sorted(set(block) - BLOCK_FIELDS[kind])
-    if extra:
-        raise ParameterError(f"{where}.{extra[0]}", f"unknown field in a {kind} block")
+    kind = _block_kind(block, where, role)
     if kind == "text":
         return {"type": "text", "text": _string(block, "text", where)}
     if kind == "image":
@@ -109,42 +97,49 @@ def canonical_block(block: Any, where: str, role: str) -> dict[str, Any]:
     if kind == "redacted_thinking":
         return {"type": "redacted_thinking", "data": _string(block, "data", where)}
     if kind == "tool_use":
-        use_id = _string(block, "id", where)
-        if not TOOL_USE_ID.fullmatch(use_id):
-            raise ParameterError(f"{where}.id", "a tool_use id is letters, digits, underscores and dashes")
-        if not isinstance(block.get("input"), dict):
-            raise ParameterError(f"{where}.input", "expected an object")
-        caller = block.get("caller")
-        if caller is not None and caller != {"type": "direct"}:
-            raise UnsupportedParameter(f"{where}.caller", "only direct tool calls are supported")
-        return {"type": "tool_use", "id": use_id, "name": _string(block, "name", where), "input": block["input"]}
-    # tool_result
+        return _tool_use_block(block, where)
+    return _tool_result_block(block, where)
+
+
+def _block_kind(block: Any, where: str, role: str) -> str:
+    """The block's type once it is known to be an object of a type ``role`` may send, with only that type's fields."""
+    if not isinstance(block, dict):
+        raise ParameterError(where, "a content block must be an object")
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        raise ParameterError(f"{where}.type", f"expected a string, got {shown(kind)}")
+    if kind in UNSUPPORTED_BLOCKS:
+        raise UnsupportedParameter(f"{where}.type", UNSUPPORTED_BLOCKS[kind])
+    if kind not in BLOCKS_BY_ROLE[role]:
+        allowed = ", ".join(sorted(BLOCKS_BY_ROLE[role]))
+        raise ParameterError(f"{where}.type", f"a {role} message takes blocks of type {allowed}, not {shown(kind)}")
+    extra = sorted(set(block) - BLOCK_FIELDS[kind])
+    if extra:
+        raise ParameterError(f"{where}.{extra[0]}", f"unknown field in a {kind} block")
+    return kind
+
+
+def _tool_use_block(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``tool_use`` block: an id of safe characters, an object input, and only direct callers."""
+    use_id = _string(block, "id", where)
+    if not TOOL_USE_ID.fullmatch(use_id):
+        raise ParameterError(f"{where}.id", "a tool_use id is letters, digits, underscores and dashes")
+    if not isinstance(block.get("input"), dict):
+        raise ParameterError(f"{where}.input", "expected an object")
+    caller = block.get("caller")
+    if caller is not None and caller != {"type": "direct"}:
+        raise UnsupportedParameter(f"{where}.caller", "only direct tool calls are supported")
+    return {"type": "tool_use", "id": use_id, "name": _string(block, "name", where), "input": block["input"]}
+
+
+def _tool_result_block(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``tool_result`` block with its content flattened to text and the tools it loaded listed."""
     content = block.get("content", "")
     references: list[str] = []  # tools a tool search loaded (``tool_reference`` blocks)
     if isinstance(content, list):
-        texts = []
-        for k, part in enumerate(content):
-            here = f"{where}.content[{k}]"
-            if not isinstance(part, dict):
-                raise ParameterError(here, "a content block must be an object")
-            kind = part.get("type")
-            if isinstance(kind, str) and kind in UNSUPPORTED_BLOCKS:
-                raise UnsupportedParameter(f"{here}.type", UNSUPPORTED_BLOCKS[kind])
-            if kind == "image":
-                raise UnsupportedParameter(
-                    f"{here}.type", "images in tool results are not supported; send them in a user message"
-                )
-            if kind == "tool_reference":
-                extra = sorted(set(part) - {"type", "tool_name", "cache_control"})
-                if extra:
-                    raise ParameterError(f"{here}.{extra[0]}", "unknown field in a tool_reference block")
-                references.append(_string(part, "tool_name", here))
-                texts.append(f"Tool loaded: {part['tool_name']}")
-                continue
-            if kind != "text":
-                raise ParameterError(f"{here}.type", f"expected 'text' or 'tool_reference', got {shown(kind)}")
-            texts.append(canonical_block(part, here, "user")["text"])
-        content = "\n\n".join(texts)
+        content = "\n\n".join(
+            _tool_result_part(part, f"{where}.content[{k}]", references) for k, part in enumerate(content)
+        )
     elif not isinstance(content, str):
         raise ParameterError(f"{where}.content", "expected a string or a list of text blocks")
     is_error = block.get("is_error", False)
@@ -157,6 +152,29 @@ def canonical_block(block: Any, where: str, role: str) -> dict[str, Any]:
         "is_error": is_error,
         "references": references,
     }
+
+
+def _tool_result_part(part: Any, here: str, references: list[str]) -> str:
+    """The text of one block of a tool result's content; a ``tool_reference`` also lands in ``references``."""
+    if not isinstance(part, dict):
+        raise ParameterError(here, "a content block must be an object")
+    kind = part.get("type")
+    if isinstance(kind, str) and kind in UNSUPPORTED_BLOCKS:
+        raise UnsupportedParameter(f"{here}.type", UNSUPPORTED_BLOCKS[kind])
+    if kind == "image":
+        raise UnsupportedParameter(
+            f"{here}.type", "images in tool results are not supported; send them in a user message"
+        )
+    if kind == "tool_reference":
+        extra = sorted(set(part) - {"type", "tool_name", "cache_control"})
+        if extra:
+            raise ParameterError(f"{here}.{extra[0]}", "unknown field in a tool_reference block")
+        references.append(_string(part, "tool_name", here))
+        return f"Tool loaded: {part['tool_name']}"
+    if kind != "text":
+        raise ParameterError(f"{here}.type", f"expected 'text' or 'tool_reference', got {shown(kind)}")
+    text: str = canonical_block(part, here, "user")["text"]
+    return text
 
 
 def _string(block: dict[str, Any], key: str, where: str) -> str:

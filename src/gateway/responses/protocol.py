@@ -276,68 +276,88 @@ def canonical_item(item: Any, where: str) -> dict[str, Any]:
         raise UnsupportedParameter(where, "an input item must be an object")
     kind = item.get("type", "message")
     if kind == "message":
-        role = item.get("role")
-        if role not in MESSAGE_ROLES:
-            raise UnsupportedParameter(f"{where}.role", f"expected one of {', '.join(MESSAGE_ROLES)}")
-        content = item.get("content")
-        if role == "assistant":
-            allowed: tuple[str, ...] = ("output_text", "refusal", "input_text")
-        elif role == "user":
-            allowed = ("input_text", "input_image")
-        else:
-            allowed = ("input_text",)
-        if isinstance(content, str):
-            parts = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
-        elif isinstance(content, list):
-            parts = content
-        else:
-            raise UnsupportedParameter(f"{where}.content", "must be a string or a list of content parts")
-        canonical = [_text(part, f"{where}.content[{j}]", allowed) for j, part in enumerate(parts)]
-        if role == "assistant":  # stored as the output message it was
-            canonical = [
-                p if p["type"] != "input_text" else {**p, "type": "output_text", "annotations": [], "logprobs": []}
-                for p in canonical
-            ]
-        return _message_item(item.get("id"), role, canonical, item.get("status"))
+        return _message_input(item, where)
     if kind == "function_call":
-        for key in ("call_id", "name", "arguments"):
-            if not isinstance(item.get(key), str):
-                raise UnsupportedParameter(f"{where}.{key}", "must be a string")
-        return {
-            "id": item.get("id") or new_id("fc"),
-            "type": "function_call",
-            "call_id": item["call_id"],
-            "name": item["name"],
-            "arguments": item["arguments"],
-            "status": item.get("status") or "completed",
-        }
+        return _function_call_input(item, where)
     if kind == "function_call_output":
-        if not isinstance(item.get("call_id"), str):
-            raise UnsupportedParameter(f"{where}.call_id", "must be a string")
-        output = item.get("output")
-        if isinstance(output, list):
-            output = "".join(_text(p, f"{where}.output[{j}]", ("input_text",))["text"] for j, p in enumerate(output))
-        if not isinstance(output, str):
-            raise UnsupportedParameter(f"{where}.output", "must be a string or a list of input_text parts")
-        return {
-            "id": item.get("id") or new_id("fco"),
-            "type": "function_call_output",
-            "call_id": item["call_id"],
-            "output": output,
-            "status": item.get("status") or "completed",
-        }
+        return _function_call_output_input(item, where)
     if kind == "reasoning":
-        summary = item.get("summary") or []
-        content = item.get("content") or []
-        if not isinstance(summary, list) or not isinstance(content, list):
-            raise UnsupportedParameter(f"{where}.summary", "summary and content must be lists of text parts")
-        return {
-            "id": item.get("id") or new_id("rs"),
-            "type": "reasoning",
-            "summary": [_text(p, f"{where}.summary[{j}]", ("summary_text",)) for j, p in enumerate(summary)],
-            "content": [_reasoning_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)],
-        }
+        return _reasoning_input(item, where)
     raise UnsupportedParameter(f"{where}.type", f"input items of type {kind!r} are not supported")
+
+
+def _message_input(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A message item: its role, and its content as parts of the types that role may send."""
+    role = item.get("role")
+    if role not in MESSAGE_ROLES:
+        raise UnsupportedParameter(f"{where}.role", f"expected one of {', '.join(MESSAGE_ROLES)}")
+    content = item.get("content")
+    if role == "assistant":
+        allowed: tuple[str, ...] = ("output_text", "refusal", "input_text")
+    elif role == "user":
+        allowed = ("input_text", "input_image")
+    else:
+        allowed = ("input_text",)
+    if isinstance(content, str):
+        parts = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
+    elif isinstance(content, list):
+        parts = content
+    else:
+        raise UnsupportedParameter(f"{where}.content", "must be a string or a list of content parts")
+    canonical = [_text(part, f"{where}.content[{j}]", allowed) for j, part in enumerate(parts)]
+    if role == "assistant":  # stored as the output message it was
+        canonical = [
+            p if p["type"] != "input_text" else {**p, "type": "output_text", "annotations": [], "logprobs": []}
+            for p in canonical
+        ]
+    return _message_item(item.get("id"), role, canonical, item.get("status"))
+
+
+def _function_call_input(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A function call the model made earlier: string call id, name and arguments."""
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise UnsupportedParameter(f"{where}.{key}", "must be a string")
+    return {
+        "id": item.get("id") or new_id("fc"),
+        "type": "function_call",
+        "call_id": item["call_id"],
+        "name": item["name"],
+        "arguments": item["arguments"],
+        "status": item.get("status") or "completed",
+    }
+
+
+def _function_call_output_input(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A function call's result, its output a string or text parts joined into one."""
+    if not isinstance(item.get("call_id"), str):
+        raise UnsupportedParameter(f"{where}.call_id", "must be a string")
+    output = item.get("output")
+    if isinstance(output, list):
+        output = "".join(_text(p, f"{where}.output[{j}]", ("input_text",))["text"] for j, p in enumerate(output))
+    if not isinstance(output, str):
+        raise UnsupportedParameter(f"{where}.output", "must be a string or a list of input_text parts")
+    return {
+        "id": item.get("id") or new_id("fco"),
+        "type": "function_call_output",
+        "call_id": item["call_id"],
+        "output": output,
+        "status": item.get("status") or "completed",
+    }
+
+
+def _reasoning_input(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A reasoning item from an earlier turn: lists of summary and reasoning text parts."""
+    summary = item.get("summary") or []
+    content = item.get("content") or []
+    if not isinstance(summary, list) or not isinstance(content, list):
+        raise UnsupportedParameter(f"{where}.summary", "summary and content must be lists of text parts")
+    return {
+        "id": item.get("id") or new_id("rs"),
+        "type": "reasoning",
+        "summary": [_text(p, f"{where}.summary[{j}]", ("summary_text",)) for j, p in enumerate(summary)],
+        "content": [_reasoning_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)],
+    }
 
 
 def _reasoning_part(part: Any, where: str) -> dict[str, Any]:

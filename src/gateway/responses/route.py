@@ -11,7 +11,7 @@ reads none of them (it is for operating the gateway, not for reading tenants' co
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import orjson
 from fastapi import APIRouter, Query, Request
@@ -75,8 +75,34 @@ async def _history(state: GatewayState, previous_id: str, owner: str) -> tuple[l
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: CreateResponseRequest, request: Request) -> Response:
     state = gateway_state(request)
-    server = state.config.server
     owner = request_owner(request)
+    messages, history_tokens = await _conversation(state, body, owner)
+    model = state.router.served_name(body.model)
+    response_id = new_id("resp")
+    created_at = time.time()
+    label = request_label(request)
+    tier = request_service_tier(request, state.key_tiers.tier_for(label, body.service_tier))
+    wire = ResponsesFormat(
+        response_envelope(body, model, response_id, int(created_at), tier), want_logprobs=body.wants_logprobs()
+    )
+    reply = _reply(state, body, wire, _StoredKeys(response_id, created_at, owner))
+    try:
+        generate = _generate_request(request, body, model, messages, tier=tier, tenant=label)
+        return await serve(
+            request, state, generate, reply, reserve=body.max_output_tokens, prompt_tokens=history_tokens
+        )
+    except InvalidRequestError as exc:  # the backend names chat parameters: name them as this request did
+        exc.message = responses_message(exc.message)
+        exc.param = responses_param(exc.param) if exc.param is not None else None
+        raise
+
+
+async def _conversation(
+    state: GatewayState, body: CreateResponseRequest, owner: str
+) -> tuple[list[dict[str, Any]], int]:
+    """The request's chat messages (the continued conversation's, then its own) and the tokens the conversation
+    before it came to; refuses a bad tool_choice, an output for no call, or too many messages or tools."""
+    server = state.config.server
     problem = body.tool_choice_problem()
     if problem is not None:
         raise APIError(400, problem, param="tool_choice")
@@ -96,50 +122,62 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
         raise APIError(400, f"at most {server.limits.max_messages} messages are allowed.", param="input")
     if body.tools and len(body.tools) > server.limits.max_tools:
         raise APIError(400, f"at most {server.limits.max_tools} tools are allowed.", param="tools")
-    model = state.router.served_name(body.model)
-    response_id = new_id("resp")
-    created_at = time.time()
-    label = request_label(request)
-    tier = request_service_tier(request, state.key_tiers.tier_for(label, body.service_tier))
-    wire = ResponsesFormat(
-        response_envelope(body, model, response_id, int(created_at), tier), want_logprobs=body.wants_logprobs()
-    )
+    return messages, history_tokens
+
+
+class _StoredKeys(NamedTuple):
+    """What a stored response is found by: its id, when it was created and the tenant that owns it."""
+
+    response_id: str
+    created_at: float
+    owner: str
+
+
+def _reply(state: GatewayState, body: CreateResponseRequest, wire: ResponsesFormat, keys: _StoredKeys) -> Reply:
+    """How the pipeline answers: in the Responses wire format, with usage, storing the final response once
+    complete if the request asks for that."""
 
     async def store(_usage: Usage | None) -> None:
         assert wire.final is not None
-        record = StoredResponse(response_id, created_at, wire.final, body.items, body.previous_response_id, owner)
+        record = StoredResponse(
+            keys.response_id, keys.created_at, wire.final, body.items, body.previous_response_id, keys.owner
+        )
         await _stored(state).save(record)
 
-    reply = Reply(
+    return Reply(
         lambda _fingerprint: wire,
         stream=body.stream,
         include_usage=True,  # the terminal event carries the usage
         want_logprobs=body.wants_logprobs(),
         on_complete=store if body.stores() else None,
     )
-    try:
-        generate = GenerateRequest(
-            request_id=request.state.request_id,
-            model=model,
-            messages=messages,
-            sampling=body.sampling_options(),
-            user=body.user,
-            tools=body.chat_tools(),
-            tool_choice=body.chat_tool_choice(),
-            parallel_tool_calls=body.parallel_tool_calls,
-            response_format=body.response_format(),
-            reasoning_effort=body.reasoning_effort(),
-            service_tier=tier,
-            tenant=label,
-            log=request.state.log,
-        )
-        return await serve(
-            request, state, generate, reply, reserve=body.max_output_tokens, prompt_tokens=history_tokens
-        )
-    except InvalidRequestError as exc:  # the backend names chat parameters: name them as this request did
-        exc.message = responses_message(exc.message)
-        exc.param = responses_param(exc.param) if exc.param is not None else None
-        raise
+
+
+def _generate_request(
+    request: Request,
+    body: CreateResponseRequest,
+    model: str,
+    messages: list[dict[str, Any]],
+    *,
+    tier: str,
+    tenant: str,
+) -> GenerateRequest:
+    """The chat ``GenerateRequest`` that serves a Responses request."""
+    return GenerateRequest(
+        request_id=request.state.request_id,
+        model=model,
+        messages=messages,
+        sampling=body.sampling_options(),
+        user=body.user,
+        tools=body.chat_tools(),
+        tool_choice=body.chat_tool_choice(),
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=body.response_format(),
+        reasoning_effort=body.reasoning_effort(),
+        service_tier=tier,
+        tenant=tenant,
+        log=request.state.log,
+    )
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)
