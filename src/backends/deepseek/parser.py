@@ -62,6 +62,17 @@ _NAME_END = '">'
 _CALL_OPENINGS = (DSML_CALLS_START, DSML_INVOKE_START)
 _CALLS_TAGS = (DSML_INVOKE_START, DSML_CALLS_END)
 _CALL_MARKER = "<" + DSML
+
+
+def _call_opening(buf: str, at: int) -> str:
+    """What the call marker at ``at`` opens: a calls block or a call; "" while ``buf`` ends inside such an opening;
+    else the bare marker, after which the output is markup up to the next call, as deepseek-recipe reads it."""
+    for opening in _CALL_OPENINGS:
+        if buf.startswith(opening, at):
+            return opening
+        if opening.startswith(buf[at:]):
+            return ""
+    return _CALL_MARKER
 """Once this much of a call opening is written, an output cut there ends in markup (DeepSeek drops it)."""
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -158,7 +169,7 @@ class DeepSeekV41OutputParser:
         self._state = _REASONING if stage in (Stage.REASONING, Stage.REASONING_CONTINUATION) else _CONTENT
         self._leading = stage in (Stage.REASONING, Stage.CONTENT)  # the channel's leading newlines are dropped
         self._tools = tools
-        self._tags: tuple[str, ...] = (THINK_END, *_CALL_OPENINGS) if tools is not None else (THINK_END,)
+        self._tags: tuple[str, ...] = (THINK_END, _CALL_MARKER) if tools is not None else (THINK_END,)
         self._max_calls = max_calls
         self._literal = literal_content and tools is None
         self._new_id = new_id
@@ -267,8 +278,13 @@ class DeepSeekV41OutputParser:
                     if keep < len(buf) and self._stops is not None and state == _CONTENT:
                         self._stop_at(self._stops.peek(_seen_of(buf[keep:])))
                     return
+                if tag == _CALL_MARKER:
+                    tag = _call_opening(buf, at)
                 self._emit_text(buf[:at])
                 if self._state == _DONE:
+                    return
+                if not tag:  # an opening cut short: wait for the rest of it
+                    self._buf = buf[at:]
                     return
                 self._buf = buf[at + len(tag) :]
                 if self._stops is not None and state == _CONTENT and self._stop_at_tag(tag):
@@ -321,9 +337,9 @@ class DeepSeekV41OutputParser:
                 self._leading = True
             else:  # a </think> in the answer is dropped; the newlines before it are answer
                 self._release_newlines()
-        else:  # a DSML calls block, or a call written without it
+        else:  # a DSML calls block, a call written without it, or a marker no opening follows
             self._held_newlines = ""
-            self._state = _CALLS if tag == DSML_CALLS_START else _NAME
+            self._state = _NAME if tag == DSML_INVOKE_START else _CALLS
 
     def _emit_text(self, text: str) -> None:
         """Text of the current channel: leading newlines dropped at its start, trailing ones held back."""

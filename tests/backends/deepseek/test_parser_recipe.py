@@ -173,6 +173,21 @@ CORPUS: list[tuple[str, list[str], Stage]] = [
     ("reasoning only, trailing newlines kept", ["abc\n\n"], Stage.REASONING),
     ("newlines only, then </think>", ["\n", "</think>"], Stage.REASONING),
     ("nothing", [], Stage.CONTENT),
+    # A call marker that opens no calls block and no call: the rest is markup up to the next call (found by the
+    # generated test below, pinned here).
+    ("a marker that opens nothing, in reasoning", ["<｜DSML｜<"], Stage.REASONING),
+    ("a marker that opens nothing, then text", ["a<｜DSML｜<", "x"], Stage.CONTENT),
+    ("a marker that opens nothing, then </think>", ["<｜DSML｜x</think>hello"], Stage.CONTENT_CONTINUATION),
+    (
+        "a marker that opens nothing, then a call",
+        ["hi <｜DSML｜x " + CALLS_OPEN + '\n<｜DSML｜ invoke name="get">\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'],
+        Stage.CONTENT,
+    ),
+    (
+        "an opening cut across chunks",
+        ["<｜DSML｜ cal", "ls>", '\n<｜DSML｜ invoke name="get">\n</｜DSML｜ invoke>'],
+        Stage.CONTENT,
+    ),
 ]
 
 
