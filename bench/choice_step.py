@@ -2,12 +2,13 @@
 
 The front end pays this once per stream per engine step, so on the rank path (one token per step) it is a large part
 of the gateway's Python per streamed token. This script times it alone: ``--streams`` choices of a reply in chat
-mode (an answer) and in thinking mode (a reasoning, ``</think>``, an answer), with no tool call and no stop string,
-each fed one token per step as the engine driver feeds them. It reports the median time per stream per step, for the
-whole ``consume`` and for the parser's ``push`` on the same text. It builds only what this tree and older ones
-construct the same way (the reference tokenizer's ``TokenTable``, ``Choice``, ``DeepSeekV41OutputParser``), so two
-trees can be compared: ``PYTHONPATH=src python bench/choice_step.py`` against
-``PYTHONPATH=../other/src python bench/choice_step.py``, alternating runs.
+mode (an answer; words only, as the reference engine writes, or with newlines) and in thinking mode (a reasoning,
+``</think>``, an answer), with no tool call and no stop string, each fed one token per step as the engine driver
+feeds them. It reports the median time per stream per step, for the whole ``consume`` and for the parser's ``push``
+on the same text. It builds only what this tree and older ones construct the same way (the reference tokenizer's
+``TokenTable``, ``Choice``, ``DeepSeekV41OutputParser``), so two trees can be compared:
+``PYTHONPATH=src python bench/choice_step.py`` against ``PYTHONPATH=../other/src python bench/choice_step.py``,
+alternating runs.
 """
 
 from __future__ import annotations
@@ -93,13 +94,17 @@ def main() -> None:
     table = TokenTable(tokenizer, markers=("<think>", "</think>"))
     end_ids = tokenizer.encode("</think>", add_special_tokens=False).ids
     end = end_ids[0] if len(end_ids) == 1 else None
-    for thinking, text in ((False, "\n\n" + ANSWER), (True, "\n\n" + REASONING + "</think>\n\n" + ANSWER)):
+    scenarios = (
+        ("chat, words only", False, " ".join(ANSWER.split())),  # as the reference engine writes (its corpus has none)
+        ("chat", False, "\n\n" + ANSWER),
+        ("thinking", True, "\n\n" + REASONING + "</think>\n\n" + ANSWER),
+    )
+    for mode, thinking, text in scenarios:
         tokens = tokenizer.encode(text, add_special_tokens=False).ids
         batches = steps(tokens, args.streams)
         pieces = [[table.bytes_of[o[0].token_id].decode("utf-8", "replace") for o in step] for step in batches]
         consume = time_consume(table, batches, end, thinking, args.repeat)
         push = time_push(pieces, thinking, args.repeat)
-        mode = "thinking" if thinking else "chat"
         print(
             f"{mode}: {len(tokens)} steps x {args.streams} streams, per stream-step: consume {consume:.2f} us, "
             f"push {push:.2f} us"
