@@ -211,14 +211,24 @@ class DeepSeekV41OutputParser:
             return NOTHING
         state = self._state
         if (
-            not self._buf
-            and not self._leading
-            and not self._held_newlines
-            and state <= _REASONING
-            and "<" not in text
-            and text[-1] != "\n"
-            and (state == _REASONING or self._stops is None)
-        ):  # fast path: no tag can start in this piece, no newline waits on what follows, no stop to look for
+            state <= _REASONING and not self._buf and "<" not in text and (state == _REASONING or self._stops is None)
+        ):  # fast path: no tag can start in this piece and no stop to look for, only newlines to drop or hold
+            if self._leading:
+                text = text.lstrip("\n")
+                if not text:
+                    return NOTHING
+                self._leading = False
+            held = self._held_newlines
+            if text[-1] == "\n":  # as _emit_text: trailing newlines wait on what follows them
+                kept = text.rstrip("\n")
+                if not kept:
+                    self._held_newlines = held + text
+                    return NOTHING
+                self._held_newlines, text = text[len(kept) :], kept
+            elif held:
+                self._held_newlines = ""
+            if held:
+                text = held + text
             return ParsedText(text, "", ()) if state == _REASONING else ParsedText("", text, ())
         self._buf += text
         self._scan()

@@ -22,6 +22,7 @@ class Choice:
         "_detok",
         "_logprobs",
         "_parser",
+        "_parser_stops",
         "_reasoning_end",
         "_reasoning_open",
         "_reasoning_unstarted",
@@ -50,6 +51,7 @@ class Choice:
         self._stop = StopMatcher(stops) if stops and parser is None else None  # else the parser matches them
         self._logprobs = logprobs
         self._parser = parser
+        self._parser_stops = bool(stops) and parser is not None  # the parser was given them: it may match one
         self._reasoning_end = reasoning_end
         self._reasoning_open = parser is not None and parser.in_reasoning  # tokens count as reasoning until </think>
         self._reasoning_unstarted = parser is not None and parser.drops_leading_newlines  # newlines first: not counted
@@ -111,7 +113,7 @@ class Choice:
         assert parser is not None
         was_reasoning = self._reasoning_open if self._reasoning_end is not None else parser.in_reasoning
         reasoning, content, calls = parser.push(text)
-        if parser.matched_stop is not None:
+        if self._parser_stops and parser.matched_stop is not None:
             finish = "stop"
         if finish is not None:
             more_reasoning, more_content, more_calls = parser.finish()

@@ -302,6 +302,33 @@ def test_trailing_newlines_wait_for_what_follows_them() -> None:
     assert parser.push("b") == ParsedText("", "\n\nb", ())
 
 
+def test_token_sized_pieces_with_newline_runs_give_the_whole_texts_result() -> None:
+    # One token per push, as the engine hands text over: newlines alone, ending a piece or opening one.
+    pieces = [
+        "\n",
+        "\n",
+        "Plan",
+        ":\n",
+        "\n",
+        "1",
+        ".",
+        " a",
+        "\n",
+        "b\n",
+        "c",
+        "\n\n",
+        "</think>",
+        "\n\n",
+        "Yes",
+        ".\n",
+        "\n",
+    ]
+    for in_reasoning, tools in itertools.product((True, False), (WEATHER, None)):
+        whole = parse(["".join(pieces)], in_reasoning=in_reasoning, tools=tools).as_tuple()
+        assert parse(pieces, in_reasoning=in_reasoning, tools=tools).as_tuple() == whole
+    assert parse(pieces, in_reasoning=True).as_tuple() == ("Plan:\n\n1. a\nb\nc", "Yes.\n\n", [], False)
+
+
 def test_tool_schemas_reads_each_tools_parameters() -> None:
     a = {"type": "object", "properties": {"x": {}}}
     tools = [
