@@ -45,7 +45,16 @@ class ReplayedSteps:
     def __init__(self) -> None:
         self.sinks: dict[str, Sink] = {}
 
-    def add(self, request_id: str, params: object, prompt: object, sink: Sink, index: int, user: str = "") -> None:
+    def add(
+        self,
+        request_id: str,
+        params: object,
+        prompt: object,
+        sink: Sink,
+        index: int,
+        user: str = "",
+        multi_modal_data: object = None,
+    ) -> None:
         self.sinks[request_id] = sink
 
 
