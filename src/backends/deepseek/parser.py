@@ -62,6 +62,8 @@ _NAME_END = '">'
 _CALL_OPENINGS = (DSML_CALLS_START, DSML_INVOKE_START)
 _CALLS_TAGS = (DSML_INVOKE_START, DSML_CALLS_END)
 _CALL_MARKER = "<" + DSML
+"""Once this much of a call opening is written, an output cut there ends in markup (DeepSeek drops it)."""
+_ID_ALPHABET = string.ascii_letters + string.digits
 
 
 def _call_opening(buf: str, at: int) -> str:
@@ -73,8 +75,6 @@ def _call_opening(buf: str, at: int) -> str:
         if opening.startswith(buf[at:]):
             return ""
     return _CALL_MARKER
-"""Once this much of a call opening is written, an output cut there ends in markup (DeepSeek drops it)."""
-_ID_ALPHABET = string.ascii_letters + string.digits
 
 
 class Stage(enum.Enum):
