@@ -138,8 +138,12 @@ def start_gateway(
 
 
 def stop_gateway(gateway: RunningGateway) -> None:
+    """Stops the gateway and waits until its thread has ended: its drain, then its lifespan's shutdown (the batch
+    runner, the backends). A gateway left running would go on logging into later tests, against stores their
+    fixtures have removed."""
     gateway.server.should_exit = True
-    gateway.thread.join(timeout=30)
+    gateway.thread.join(timeout=gateway.state.config.server.runtime.drain_seconds + 30)
+    assert not gateway.thread.is_alive(), "the gateway did not stop within its drain and 30 s more"
 
 
 def wait_for_requests_done(gateway: RunningGateway) -> None:
