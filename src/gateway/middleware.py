@@ -106,17 +106,29 @@ def _client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-class RequestIdMiddleware:
+class _HttpMiddleware:
+    """A pure ASGI middleware for HTTP requests: other scopes (lifespan) pass through; ``http`` does the job."""
+
+    app: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class RequestIdMiddleware(_HttpMiddleware):
     """Names every HTTP request (the client's ``X-Request-ID`` when valid, else a new one) and echoes the name on
     its response; opens the request's :class:`RequestRecord` and notes in it the status its response starts with."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = _client_request_id(scope["headers"]) or os.urandom(16).hex()
         record = RequestRecord(request_id, time.perf_counter())
         state = scope.setdefault("state", {})
@@ -135,17 +147,14 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-class AccessLogMiddleware:
+class AccessLogMiddleware(_HttpMiddleware):
     """Writes one structured line per request once its response is complete (streams included), whatever its
     fate: its id, method, path, final status, the API key's label, its duration and what the routes logged."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = record_of(scope)
         try:
             await self.app(scope, receive, send)
@@ -164,7 +173,7 @@ class AccessLogMiddleware:
             )
 
 
-class TracingMiddleware:
+class TracingMiddleware(_HttpMiddleware):
     """The request's server span, current while the request runs (its other spans descend from it) and ended with
     what its log line says; its trace id goes into that line."""
 
@@ -172,10 +181,7 @@ class TracingMiddleware:
         self.app = app
         self.tracing = tracing
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = record_of(scope)
         span = self.tracing.start_request(scope, record.request_id)
         if span is None:  # a probe or a scrape
@@ -190,7 +196,7 @@ class TracingMiddleware:
             span.end(record.final_status, record.log, scope["state"].get("api_key"), route)
 
 
-class RequestMetricsMiddleware:
+class RequestMetricsMiddleware(_HttpMiddleware):
     """Counts in ``gateway_requests_total`` every request no backend took (bad JSON, a validation 400, an unknown
     model, a 401, a 413, a 500), with empty model and backend labels; a routed request's observer counted it by
     model and backend."""
@@ -199,10 +205,7 @@ class RequestMetricsMiddleware:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = record_of(scope)
         try:
             await self.app(scope, receive, send)
@@ -211,7 +214,7 @@ class RequestMetricsMiddleware:
                 self.metrics.count_unrouted(record.status, record.log.get("error_code"))
 
 
-class IncompleteBodyMiddleware:
+class IncompleteBodyMiddleware(_HttpMiddleware):
     """A request whose body never arrived whole ends as the client's doing, whatever the app made of the cut body:
     408 ``body_timeout`` when the connection guard's body deadline passed (it answered the client itself), 499
     ``client_disconnected`` when the client left while sending it. Routed requests keep their backend's verdict."""
@@ -219,10 +222,7 @@ class IncompleteBodyMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         body_done = False
         left_mid_body = False
 
@@ -271,7 +271,7 @@ class DrainMiddleware:
         await self.app(scope, receive, send)
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(_HttpMiddleware):
     """A body larger than ``max_body_bytes`` (or its path's own limit in ``larger_bodies``: the Batch API's file
     uploads) is a 413: at once when its ``Content-Length`` says so, else as soon as the bytes received pass it."""
 
@@ -280,10 +280,7 @@ class BodyLimitMiddleware:
         self.max_body_bytes = max_body_bytes
         self.larger_bodies = dict(larger_bodies or {})
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.larger_bodies.get(scope["path"], self.max_body_bytes)
         declared = _content_length(scope["headers"])
         if declared is not None and declared > limit:
@@ -311,7 +308,7 @@ def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
-class InternalErrorMiddleware:
+class InternalErrorMiddleware(_HttpMiddleware):
     """An exception nothing expected (a bug, not the client's doing) is logged and answered with a 500 the client
     can read, on a connection that stays usable (an exception left to the server would close it after the answer).
     A response already under way cannot be answered: the exception goes on, and the server closes the connection."""
@@ -319,10 +316,7 @@ class InternalErrorMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await self.app(scope, receive, send)
         except Exception as exc:
