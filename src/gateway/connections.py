@@ -32,6 +32,7 @@ Every closed connection is counted in ``gateway_connections_closed_total{listene
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -107,13 +108,16 @@ class DirectBody:
     __slots__ = ("_cycle", "_head")
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
-        self._cycle = cycle
+        # Held weakly: the cycle's scope holds this object, so a strong reference would make every request a
+        # reference cycle, whose objects only the cycle collector frees.
+        self._cycle = weakref.ref(cycle)
         self._head = cycle.scope["method"] == "HEAD"
 
     def write(self, chunk: bytes) -> bool:
-        cycle = self._cycle
+        cycle = self._cycle()
         if (
-            not cycle.chunked_encoding  # also None: the response has not started
+            cycle is None  # the request is over
+            or not cycle.chunked_encoding  # also None: the response has not started
             or cycle.response_complete
             or cycle.disconnected
             or cycle.flow.write_paused
@@ -128,9 +132,10 @@ class DirectBody:
         """Drops the connection of a response that cannot complete because its client stopped reading: at once,
         with what its full send buffer still holds, and as a client gone (uvicorn would otherwise report the
         incomplete response as an error of the app's, and close only once that buffer drained)."""
-        cycle = self._cycle
-        cycle.disconnected = True
-        cycle.transport.abort()
+        cycle = self._cycle()
+        if cycle is not None:
+            cycle.disconnected = True
+            cycle.transport.abort()
 
 
 class Timer(Protocol):

@@ -46,19 +46,19 @@ class DisconnectWatch:
     goes away. Code that catches the cancellation asks :meth:`caused` whether it came from here (then the task's
     cancellation is withdrawn and the request counts as a disconnect), or from the server (shutdown)."""
 
-    __slots__ = ("_cancel", "_closed", "_watcher")
+    __slots__ = ("_cancel", "_watcher")
 
     def __init__(self, receive: Receive) -> None:
         task = asyncio.current_task()
         assert task is not None, "a DisconnectWatch belongs to a request's task"
         self._cancel = TaskCancel(task)
-        self._closed = False
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(self._watch(receive))
+        """None once closed."""
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self._closed:
+        if self._watcher is not None:
             self._cancel.cancel()
 
     def caused(self, exc: BaseException) -> bool:
@@ -66,9 +66,11 @@ class DisconnectWatch:
         return self._cancel.claim(exc)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._watcher.cancel()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            # let go before it ends: its CancelledError's traceback holds ``_watch``'s frame, and through it this
+            # watch, so a watch still holding the task would make a reference cycle of the whole request
+            watcher.cancel()
 
 
 class SendLimit:

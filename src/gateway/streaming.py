@@ -56,6 +56,11 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 SLOW_CLIENT_STATUS = 408  # logged for a stream stopped because its client did not read
 
 
+STREAM_END = StopAsyncIteration()
+"""How the pusher tells the task that the stream ended; never raised. Keeping the caught ``StopAsyncIteration``
+instead would hold the pusher's frame through its traceback, and with it the whole request in a reference cycle
+that only the cycle collector frees: every request's objects would pass through it."""
+
 Completion = Callable[[Usage | None], Awaitable[None]]
 """Awaited with the usage once a response is complete, before its last event or its body goes out: the key's
 budget is settled and the Responses API stores the response here, so the client's next request sees both."""
@@ -155,7 +160,9 @@ class _Pusher:
         try:
             while batch := self._batches.ready():
                 chunks.append(self._render(batch))
-        except BaseException as exc:  # the stream's end or its error, after the batches before it
+        except StopAsyncIteration:  # the stream's end, after the batches before it
+            ended = STREAM_END
+        except BaseException as exc:  # the stream's error, after the batches before it
             ended = exc
         unsent: bytes | None = (chunks[0] if len(chunks) == 1 else b"".join(chunks)) or None
         if unsent is not None:
@@ -214,7 +221,7 @@ class _StreamBody:
         self.code: str | None = None
         self.usage: Usage | None = None
         self.write_now: Callable[[bytes], bool] | None = None
-        """The response's direct write (``EventStreamResponse.write_now``), set before the body runs."""
+        """The response's direct write (``EventStreamResponse.write_now``), set before the body runs, which takes it."""
 
     async def frames(self, head: list[Event]) -> AsyncGenerator[bytes, None]:
         """The response body, written by one loop: the first token's frame at once, then each batch of events the
@@ -223,8 +230,11 @@ class _StreamBody:
         batches = batches_of(self._events)
         deadline = self._deadline
         pusher = None
-        if self.write_now is not None:
-            pusher = _Pusher(batches, self._render, self.write_now, deadline.touch if deadline is not None else None)
+        # Held by this generator's frame from here, which goes when the body ends: the response holds this body,
+        # and an attribute holding the response's method would make the two a reference cycle.
+        write_now, self.write_now = self.write_now, None
+        if write_now is not None:
+            pusher = _Pusher(batches, self._render, write_now, deadline.touch if deadline is not None else None)
         tail: list[bytes] = []
         try:
             batch = head

@@ -29,11 +29,24 @@ INLINE_PROMPT_TOKENS = 512
 """Echoed prompts with logprobs longer than this are formatted on a worker thread (microseconds per token)."""
 
 
+def _aborting(abort: Callable[[list[str]], None], live: set[str]) -> Callable[[], None]:
+    """What aborts the engine requests still in ``live`` (a run's close, its buffer's overflow). It holds ``abort``
+    and ``live``, not the run: as a method of the run it would make the run and its buffer a reference cycle, and
+    every request's objects would wait for the cycle collector."""
+
+    def abort_live() -> None:
+        if live:
+            abort(list(live))
+
+    return abort_live
+
+
 class EngineRun:
     """The choices of one request in the engine, from its added engine requests to its ``Usage``."""
 
     __slots__ = (
         "_abort",
+        "_abort_live",
         "_cached",
         "_chat",
         "_choices",
@@ -75,6 +88,7 @@ class EngineRun:
         self._engine_ids = engine_ids
         self._choices = choices
         self._live = set(engine_ids)
+        self._abort_live = _aborting(abort, self._live)
         self._outputs = OutputBuffer(max_buffered_tokens, self._abort_live)
         self._prompt_ids = prompt_ids
         self._prompt_count = len(prompt_ids) if prompt_count is None else prompt_count
@@ -105,6 +119,11 @@ class EngineRun:
         try:
             while (event := self.next_event()) is not None:
                 batch.append(event)
+        except StopAsyncIteration:
+            if not batch:
+                raise
+            # the events before it go out first; the next call raises a new one (not this one, whose traceback
+            # holds this frame and so the run: a reference cycle for every request's end)
         except BaseException as exc:
             if not batch:
                 raise
@@ -163,10 +182,6 @@ class EngineRun:
             self._job = None
         self._abort_live()
         self._live.clear()
-
-    def _abort_live(self) -> None:
-        if self._live:
-            self._abort(list(self._live))
 
     def _take(self, index: int, item: Sequence[EngineOutput] | BackendError) -> None:
         if isinstance(item, BackendError):

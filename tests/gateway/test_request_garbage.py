@@ -1,0 +1,77 @@
+"""A finished request leaves no reference cycle behind: every object the gateway made for it is freed by reference
+counting the moment it is done with, never by the cycle collector.
+
+A cycle through one object of a request keeps all the others alive with it, so each request's whole object graph
+(its tasks, its stream, its engine run, its parser) waited for a collection, and the collections went through
+them: on a loaded front end that was about 2.2 µs of CPU per streamed token, a seventh of the gateway's CPU
+(docs/bench.md, "Reference cycles"). The cycles came from a caught ``StopAsyncIteration`` kept with its traceback,
+a cancelled watcher task that its owner still held, a bound method of the owner given to what it owns, and a
+response and its body holding each other's methods.
+
+The requests run on the timed reference engine, so a stream takes several engine steps and its frames go out
+through the writer that engine steps wake; the collector is told to keep what it finds (``DEBUG_SAVEALL``), and
+what it found of the gateway's and the backends' objects is listed."""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from ..conftest import MODEL, RunningGateway
+
+
+@pytest.fixture
+def timed_client(timed_gateway: RunningGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{timed_gateway.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def collected_garbage() -> Iterator[list[object]]:
+    """What the cycle collector finds unreachable while the test runs (kept, not freed), from a clean start."""
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield gc.garbage
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.collect()
+
+
+def ours(garbage: list[object]) -> Counter[str]:
+    """The gateway's and the backends' objects among ``garbage``, counted by type."""
+    return Counter(
+        f"{type(thing).__module__}.{type(thing).__qualname__}"
+        for thing in garbage
+        if type(thing).__module__.partition(".")[0] in ("gateway", "backends")
+    )
+
+
+def serve(client: openai.OpenAI, times: int) -> None:
+    """Streamed and whole chat completions, a streamed completion and a streamed Responses answer, ``times`` each."""
+    for _ in range(times):
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=True
+        )
+        assert [chunk for chunk in chat if chunk.choices and chunk.choices[0].finish_reason]
+        whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6)
+        assert whole.choices[0].finish_reason in ("stop", "length")
+        completion = client.completions.create(model=MODEL, prompt="def", max_tokens=12, stream=True)
+        assert [chunk for chunk in completion if chunk.choices[0].finish_reason]
+        response = client.responses.create(model=MODEL, input="hi", max_output_tokens=12, stream=True, store=False)
+        assert [event.type for event in response][-1] in ("response.completed", "response.incomplete")
+
+
+def test_finished_requests_leave_no_reference_cycles(
+    timed_gateway: RunningGateway, timed_client: openai.OpenAI, collected_garbage: list[object]
+) -> None:
+    serve(timed_client, 1)  # what a gateway builds on its first requests stays, and is no garbage
+    gc.collect()
+    collected_garbage.clear()
+    serve(timed_client, 3)
+    gc.collect()
+    assert ours(collected_garbage) == Counter()
