@@ -165,7 +165,7 @@ class _Pusher:
         except BaseException as exc:  # the stream's error, after the batches before it
             ended = exc
         unsent: bytes | None = (chunks[0] if len(chunks) == 1 else b"".join(chunks)) or None
-        if unsent is not None:
+        if unsent is not None and ended is None:  # the last frames go out with the end frames, in one write
             if self._touch is not None:
                 self._touch()
             if self._write(unsent):
@@ -226,7 +226,8 @@ class _StreamBody:
     async def frames(self, head: list[Event]) -> AsyncGenerator[bytes, None]:
         """The response body, written by one loop: the first token's frame at once, then each batch of events the
         backend has ready as one chunk, then a wait for more; at last the stream's end, or an error frame (after
-        the first frame a failure can no longer be an HTTP status)."""
+        the first frame a failure can no longer be an HTTP status). The last batch's frames go out with the end
+        frames, in one write."""
         batches = batches_of(self._events)
         deadline = self._deadline
         pusher = None
@@ -240,21 +241,27 @@ class _StreamBody:
             batch = head
             while True:
                 if batch:
-                    chunk = self._render(batch)
-                    if chunk:
-                        yield chunk
+                    chunk: bytes | None = self._render(batch)
                 else:
-                    unsent, ended = await self._wait(batches, pusher)
-                    if unsent is not None:
-                        yield unsent
-                    if isinstance(ended, StopAsyncIteration):
-                        break
+                    chunk, ended = await self._wait(batches, pusher)
                     if ended is not None:
+                        if chunk:
+                            tail.append(chunk)  # before the end frames or the error frame, in one write
+                        if isinstance(ended, StopAsyncIteration):
+                            break
                         raise ended
                 try:
-                    batch = batches.ready()
+                    batch = batches.ready()  # what came meanwhile, or the stream's end: then ``chunk`` is its last
                 except StopAsyncIteration:
+                    if chunk:
+                        tail.append(chunk)
                     break
+                except BaseException:
+                    if chunk:
+                        tail.append(chunk)
+                    raise
+                if chunk:
+                    yield chunk
             self.status = 200
         except BackendError as exc:
             tail.append(self._failed(api_error_from_backend(exc)))
