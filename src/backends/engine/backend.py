@@ -123,6 +123,9 @@ class DrivenEngines(Generic[D]):
         self.supported_features = features | {IMAGES_FEATURE} if images is not None else features
         self.driver = driver
         self._chat_template = chat_template
+        self._sampling_policy = chat_template if isinstance(chat_template, SamplingPolicyTemplate) else None
+        """The template as a ``SamplingPolicyTemplate``, if it is one: checked once (a protocol's isinstance inspects
+        its members on every call)."""
         self._prompts = PromptPreparer(chat_template, threads=prepare_threads, name=name, images=images)
         self._table: TokenTable | None = None
         self._ids = itertools.count()
@@ -185,9 +188,9 @@ class DrivenEngines(Generic[D]):
         table = self._table
         engine = self.driver.engine
         assert table is not None and engine is not None
-        template = self._chat_template
-        if request.messages is not None and isinstance(template, SamplingPolicyTemplate):
-            served = template.served_sampling(request)
+        policy = self._sampling_policy
+        if request.messages is not None and policy is not None:
+            served = policy.served_sampling(request)
             if served is not request.sampling:
                 request = dataclasses.replace(request, sampling=served)
         reject_unsupported(request, sampling=self.supported_sampling, features=self.supported_features)
