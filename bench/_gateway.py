@@ -78,15 +78,27 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def _flat(server: dict[str, Any]) -> dict[str, Any]:
+    """``server`` settings in sections, written flat (``runtime.workers`` -> ``workers``) for a checkout older than
+    the sections, which reads only flat keys."""
+    flat: dict[str, Any] = {}
+    for key, value in server.items():
+        flat.update(value if isinstance(value, dict) else {key: value})
+    return flat
+
+
 def serve_gateway(
     config: dict[str, Any], *, label: str = "gateway", timeout: float = 180.0, source: Path | None = None
 ) -> tuple[subprocess.Popen[bytes], str, Path]:
     """Starts ``deepinfer-gateway serve`` with ``config`` on a free port and waits until ``/ready`` is 200; with
     ``source`` (another checkout's ``src``, e.g. a worktree of main) the gateway runs that code, with this
-    environment's dependencies, so two versions can be measured interleaved in one run.
+    environment's dependencies, so two versions can be measured interleaved in one run (a checkout older than the
+    ``server`` sections, such as 95ad04b, gets its server settings written flat).
 
     Returns the process, its base URL and the config file (the caller removes it)."""
     port = free_port()
+    if source is not None and not (source / "gateway" / "server_config.py").exists():
+        config = {**config, "server": _flat(config.get("server", {}))}
     path = Path(tempfile.mkdtemp()) / "bench.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)]

@@ -5,7 +5,7 @@ decode step (``--step`` seconds, ``--tokens-per-step`` tokens per request per st
 rank), once per layout: the engine in the gateway process (``inproc``), then 1, 2 and 4 worker processes, and
 ``RxF``: R rank workers shared by F front-end processes (``server.runtime.workers: F``; the supervisor hosts the
 ranks and every front end dispatches to all of them). Each layout gets the same closed-loop load of streaming chat
-requests, and reports:
+requests, measured after a warm-up of one short request per client (each opens its connection), and reports:
 
 - tokens/s and requests/s;
 - the balance ratio: max / min requests dispatched per rank;
@@ -39,6 +39,7 @@ import asyncio
 import json
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +117,22 @@ async def stream_one(session: aiohttp.ClientSession, url: str, number: int, max_
     return frames
 
 
-async def run_load(base_url: str, concurrency: int, duration: float, max_tokens: int) -> dict[str, Any]:
+async def run_load(
+    base_url: str,
+    concurrency: int,
+    duration: float,
+    max_tokens: int,
+    warmed: Callable[[], Awaitable[None]] | None = None,
+) -> dict[str, Any]:
+    """A warm-up, one short request per client (each opens its connection and the gateway's code paths are taken
+    once), then ``warmed()``, where the caller starts measuring, then ``duration`` seconds of closed-loop load."""
     connector = aiohttp.TCPConnector(limit=concurrency)
     url = f"{base_url}/v1/chat/completions"
-    warm_up = min(concurrency, 16)
+    warm_up = concurrency
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
         await asyncio.gather(*(stream_one(session, url, i, 4) for i in range(warm_up)))
+        if warmed is not None:
+            await warmed()
         counter = iter(range(10**9))
         done: list[int] = []
         stop_at = time.perf_counter() + duration
@@ -193,11 +204,18 @@ def measure(layout: str, args: argparse.Namespace, source: Path | None) -> dict[
                 time.sleep(0.2)
         workers = [pid for pid in children(process.pid) if is_rank_worker(pid)]
         front_ends = [process.pid] + [pid for pid in children(process.pid) if not is_rank_worker(pid)]
-        before = scrape(base_url)
-        cpu0 = sum(cpu_seconds(pid) for pid in front_ends)
-        wcpu0 = sum(cpu_seconds(w) for w in workers)
-        threads0 = cpu_by_thread_kind(front_ends)
-        load = asyncio.run(run_load(base_url, args.concurrency, args.duration, args.max_tokens))
+        start: dict[str, Any] = {}
+
+        async def warmed() -> None:
+            start.update(
+                before=scrape(base_url),
+                cpu=sum(cpu_seconds(pid) for pid in front_ends),
+                wcpu=sum(cpu_seconds(w) for w in workers),
+                threads=cpu_by_thread_kind(front_ends),
+            )
+
+        load = asyncio.run(run_load(base_url, args.concurrency, args.duration, args.max_tokens, warmed))
+        before, cpu0, wcpu0, threads0 = start["before"], start["cpu"], start["wcpu"], start["threads"]
         cpu1 = sum(cpu_seconds(pid) for pid in front_ends)
         wcpu1 = sum(cpu_seconds(w) for w in workers)
         threads1 = cpu_by_thread_kind(front_ends)
@@ -221,7 +239,7 @@ def measure(layout: str, args: argparse.Namespace, source: Path | None) -> dict[
         "requests_per_rank": per_rank,
         "balance_ratio": (per_rank[-1] / per_rank[0]) if per_rank and per_rank[0] else None,
         "dispatched_in_six_scrapes": sums,
-        "requests_sent": load["requests"] + load["warm_up"],
+        "requests_sent": load["requests"],  # since the warm-up, as the scrapes are
         "gateway_cpu_us_per_token": 1e6 * (cpu1 - cpu0) / tokens,
         "gateway_cpu_utilisation": (cpu1 - cpu0) / load["wall_seconds"],
         "gateway_cpu_us_per_token_by_thread": {
@@ -244,12 +262,20 @@ def measure_simultaneously(layout: str, args: argparse.Namespace, other: Path, t
                     time.sleep(0.2)
         front_ends = [[p.pid] + [c for c in children(p.pid) if not is_rank_worker(c)] for p, _, _ in started]
         key = "gateway_generation_tokens_total"
-        before = [scrape(base_url).get(key, 0.0) for _, base_url, _ in started]
-        cpu0 = [sum(map(cpu_seconds, pids)) for pids in front_ends]
+        before: list[float] = []
+        cpu0: list[float] = []
 
         async def load_both() -> None:
+            both_warm = asyncio.Barrier(len(started))
+
+            async def warmed() -> None:  # the last gateway to finish its warm-up starts both measurements
+                if await both_warm.wait() == 0:
+                    before.extend(scrape(base_url).get(key, 0.0) for _, base_url, _ in started)
+                    cpu0.extend(sum(map(cpu_seconds, pids)) for pids in front_ends)
+                await both_warm.wait()
+
             await asyncio.gather(
-                *(run_load(u, args.concurrency, args.duration, args.max_tokens) for _, u, _ in started)
+                *(run_load(u, args.concurrency, args.duration, args.max_tokens, warmed) for _, u, _ in started)
             )
 
         asyncio.run(load_both())
