@@ -4,8 +4,9 @@ counting the moment it is done with, never by the cycle collector.
 A cycle through one object of a request keeps all the others alive with it, so each request's whole object graph
 (its tasks, its stream, its engine run, its parser) waited for a collection, and the collections went through
 them: on a loaded front end that was about 2.2 µs of CPU per streamed token, a seventh of the gateway's CPU
-(docs/bench.md, "Reference cycles"). The cycles came from a caught ``StopAsyncIteration`` kept with its traceback,
-a cancelled watcher task that its owner still held, a bound method of the owner given to what it owns, and a
+(docs/bench.md, "Garbage, spinning threads and one write less"). The cycles came from a caught
+``StopAsyncIteration`` kept with its traceback, a cancelled watcher task that its owner still held, a bound method
+of the owner given to what it owns, the connection's direct writer and its request cycle holding each other, and a
 response and its body holding each other's methods.
 
 The requests run on the timed reference engine, so a stream takes several engine steps and its frames go out
