@@ -10,8 +10,8 @@ of the owner given to what it owns, the connection's direct writer and its reque
 response and its body holding each other's methods.
 
 The requests run on the timed reference engine, so a stream takes several engine steps and its frames go out
-through the writer that engine steps wake; the collector is told to keep what it finds (``DEBUG_SAVEALL``), and
-what it found of the gateway's and the backends' objects is listed."""
+through the writer that engine steps wake, and a client can leave in the middle of one; the collector is told to
+keep what it finds (``DEBUG_SAVEALL``), and what it found of the gateway's and the backends' objects is listed."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ import gc
 from collections import Counter
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
-from ..conftest import MODEL, RunningGateway
+from ..conftest import MODEL, RunningGateway, wait_until
 
 
 @pytest.fixture
@@ -74,5 +75,29 @@ def test_finished_requests_leave_no_reference_cycles(
     gc.collect()
     collected_garbage.clear()
     serve(timed_client, 3)
+    gc.collect()
+    assert ours(collected_garbage) == Counter()
+
+
+def leave_mid_stream(gateway: RunningGateway, times: int) -> None:
+    """Streams that the client stops reading after a few frames and closes, each until the engine is idle again."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000, "ignore_eos": True}
+    for _ in range(times):
+        with (
+            httpx.Client(base_url=gateway.base_url, timeout=60) as http,
+            http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response,
+        ):
+            frames = [line for _, line in zip(range(4), response.iter_lines(), strict=False)]
+            assert frames[0].startswith("data: {")
+        assert wait_until(gateway.engine_idle)
+
+
+def test_a_client_that_leaves_mid_stream_leaves_no_reference_cycles(
+    timed_gateway: RunningGateway, collected_garbage: list[object]
+) -> None:
+    leave_mid_stream(timed_gateway, 1)
+    gc.collect()
+    collected_garbage.clear()
+    leave_mid_stream(timed_gateway, 3)
     gc.collect()
     assert ours(collected_garbage) == Counter()

@@ -77,6 +77,11 @@ class OutputBuffer:
         self._listener = listener
         return True
 
+    def unlisten(self) -> None:
+        """Drops the listener ``listen`` set, if no ``put`` has called it: its reader stopped waiting (the listener
+        would otherwise keep that reader, and whatever holds this buffer, alive in a reference cycle)."""
+        self._listener = None
+
     def arrival(self) -> asyncio.Future[None]:
         """Done once an item waits: at once if one does (it may have come since the caller's last ``pop``, while
         it wrote to its client), else when the next is put. Awaited straight from the stream's own frame (no

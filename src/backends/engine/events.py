@@ -177,6 +177,7 @@ class EngineRun:
         self._remaining = 0
         self._ended = True
         self._pending.clear()
+        self._outputs.unlisten()  # a writer that stopped waiting (its client gone) is not called, nor kept
         if self._job is not None:
             self._job[2].cancel()
             self._job = None
