@@ -13,10 +13,11 @@ Encoding the pieces here rather than calling the library's ``encode`` saves what
 - the text the encoding writes around every conversation (the control tokens, the reasoning-effort line of
   thinking mode) is encoded once, when the encoder is built, from the rendering of empty conversations; it holds
   no client text, so it is the same for every tenant and never changes;
-- the remaining pieces are encoded in one call on the calling thread.
+- the other pieces are encoded by the library's tokenizer on the calling thread, one call each.
 
-On the reference tokenizer that is 12 µs instead of 40-70 µs for a short thinking-mode prompt (``bench/`` numbers
-in docs/bench.md), paid on the event loop for every short chat request.
+On the reference tokenizer that is 14 µs instead of 37 µs for a short thinking-mode prompt, paid on the event loop
+for every short chat request; a long multi-turn chat costs about 5% more than one call for the whole prompt
+(docs/bench.md, "Garbage, spinning threads and one write less").
 
 An integer reasoning effort (the gateway's extension) is also encoded here: the conversation is rendered with
 ``high``, the printed number replaced, and the spans after it shifted.
