@@ -92,29 +92,36 @@ def batches_of(stream: EventStream[T]) -> BatchStream[T]:
 class OneByOne(Generic[T]):
     """A ``BatchStream`` over an event stream that has no batches of its own: each wait takes one event."""
 
-    __slots__ = ("_ended", "_events", "_held")
+    __slots__ = ("_done", "_events", "_failed", "_held")
 
     def __init__(self, events: EventStream[T]) -> None:
         self._events = events
         self._held: list[T] = []
-        self._ended: BaseException | None = None  # the error or StopAsyncIteration the stream ended with
+        self._done = False  # the stream ended well: ``ready`` raises a new StopAsyncIteration
+        self._failed: Exception | None = None  # the error the stream ended with, raised by ``ready``
+        # (Not the caught StopAsyncIteration itself: its traceback holds ``wait``'s frame and so this object, a
+        # reference cycle for every stream that ends.)
 
     def ready(self) -> list[T]:
         held = self._held
         if held:
             self._held = []
             return held
-        if self._ended is not None:
-            raise self._ended
+        if self._done:
+            raise StopAsyncIteration
+        if self._failed is not None:
+            raise self._failed
         return held
 
     async def wait(self) -> None:
-        if self._held or self._ended is not None:
+        if self._held or self._done or self._failed is not None:
             return
         try:
             self._held = [await self._events.__anext__()]
-        except Exception as exc:  # StopAsyncIteration included: ``ready`` raises it
-            self._ended = exc
+        except StopAsyncIteration:
+            self._done = True
+        except Exception as exc:  # ``ready`` raises it
+            self._failed = exc
 
 
 class _NotOpened:

@@ -4,6 +4,7 @@ adapter for streams without batches of their own."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Awaitable
 
 import pytest
@@ -69,6 +70,27 @@ async def test_a_stream_without_batches_of_its_own_is_read_one_event_per_wait() 
         if not batch:
             await batches.wait()
     assert got == [1, 2, 3]
+
+
+async def test_a_stream_read_one_by_one_to_its_end_leaves_no_reference_cycle() -> None:
+    """An LMDeploy stream, say: what reads it is freed as it ends, not by the cycle collector."""
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        batches = batches_of(Tracked([1, 2]).run())
+        for item in (1, 2):
+            await batches.wait()
+            assert batches.ready() == [item]
+        for _ in range(2):  # the end, read twice
+            await batches.wait()
+            with pytest.raises(StopAsyncIteration):
+                batches.ready()
+        del batches
+        gc.collect()
+        assert not [thing for thing in gc.garbage if isinstance(thing, OneByOne)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
 
 
 async def test_one_by_one_raises_the_stream_s_error_from_ready_never_from_wait() -> None:
