@@ -126,6 +126,11 @@ class StarletteEventStream(StreamingResponse):
                 task.cancel()
             await self._end.finish(stalled)
 
+    def write_now(self, chunk: bytes) -> bool:
+        """What ``gateway.streaming`` asks of a response: a direct write. None here, so every frame goes out as
+        this primitive streams its content."""
+        return False
+
     async def _ping(self, send: Send) -> None:
         with contextlib.suppress(Exception):
             await send({"type": "http.response.body", "body": self._ping_frame, "more_body": True})
@@ -160,6 +165,11 @@ def sse_starlette_response() -> type[Any]:
                 send_timeout=stall_timeout,
             )
             self._end = _StreamEnd(content, watch, on_end)
+
+        def write_now(self, chunk: bytes) -> bool:
+            """What ``gateway.streaming`` asks of a response: a direct write. None here, so every frame goes out as
+            this primitive streams its content."""
+            return False
 
         async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
             stalled = False
