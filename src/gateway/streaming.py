@@ -131,20 +131,27 @@ class _Pusher:
         and the error or ``StopAsyncIteration`` that ended the stream (or None). None when the batches can neither
         notify nor give a future to wait on: the task then waits itself."""
         wake = self._wake = asyncio.get_running_loop().create_future()
-        if self._notify(self._pushed):
-            return wake
-        more = self._batches.wait()
-        if isinstance(more, asyncio.Future):
-            more.add_done_callback(self._more)
+        if self._armed():
             return wake
         self._wake = None
-        if isinstance(more, Coroutine):
-            more.close()
         return None
 
     def stop(self) -> None:
         """The task stopped waiting (cancelled, or woken): later callbacks do nothing."""
         self._wake = None
+
+    def _armed(self) -> bool:
+        """Whether the next batch will call ``_pushed``: the producer's ``notify``, else the callback of the
+        future the batches' wait returns; False when neither can (the task then waits for the batches itself)."""
+        if self._notify(self._pushed):
+            return True
+        more = self._batches.wait()
+        if isinstance(more, asyncio.Future):
+            more.add_done_callback(self._more)
+            return True
+        if isinstance(more, Coroutine):
+            more.close()
+        return False
 
     def _more(self, _: object) -> None:
         """The wait's callback."""
@@ -170,15 +177,8 @@ class _Pusher:
                 self._touch()
             if self._write(unsent):
                 unsent = None
-        if unsent is None and ended is None:
-            if self._notify(self._pushed):
-                return  # all written: the task sleeps on
-            more = self._batches.wait()
-            if isinstance(more, asyncio.Future):
-                more.add_done_callback(self._more)
-                return  # all written: the task sleeps on
-            if isinstance(more, Coroutine):
-                more.close()  # not a future: the task waits for it itself
+        if unsent is None and ended is None and self._armed():
+            return  # all written: the task sleeps on
         self._wake = None
         wake.set_result((unsent, ended))
 
