@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import shutil
 import socket
@@ -170,6 +171,19 @@ def logged_error_detail(logs: list[dict[str, object]]) -> str:
         str(line["error_detail"]) for line in logs if line.get("event") == "request" and "error_detail" in line
     ]
     return detail
+
+
+@pytest.fixture
+def collected_garbage() -> Iterator[list[object]]:
+    """What the cycle collector finds unreachable while the test runs (kept, not freed), from a clean start."""
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield gc.garbage
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -29,19 +28,6 @@ from ..conftest import MODEL, RunningGateway, wait_until
 @pytest.fixture
 def timed_client(timed_gateway: RunningGateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{timed_gateway.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture
-def collected_garbage() -> Iterator[list[object]]:
-    """What the cycle collector finds unreachable while the test runs (kept, not freed), from a clean start."""
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        yield gc.garbage
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.collect()
 
 
 def ours(garbage: list[object]) -> Counter[str]:
