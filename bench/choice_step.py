@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import timeit
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from backends.deepseek.parser import DeepSeekV41OutputParser
 from backends.engine.choice import Choice
@@ -47,6 +49,17 @@ def steps(tokens: list[int], streams: int) -> list[list[list[EngineOutput]]]:
     ]
 
 
+def us_per_stream_step(feeds: list[Callable[[Any], object]], steps: Sequence[Sequence[Any]]) -> float:
+    """Microseconds per stream per step of handing each step's items to the streams' ``feeds``, one each."""
+
+    def run() -> None:
+        for step in steps:
+            for feed, item in zip(feeds, step, strict=True):
+                feed(item)
+
+    return timeit.timeit(run, number=1) / (len(steps) * len(feeds)) * 1e6
+
+
 def time_consume(
     table: TokenTable, batches: list[list[list[EngineOutput]]], end: int | None, thinking: bool, repeat: int
 ) -> float:
@@ -58,14 +71,7 @@ def time_consume(
             Choice(s, table, table.new_detokenizer(), [], False, DeepSeekV41OutputParser(in_reasoning=thinking), end)
             for s in range(streams)
         ]
-        consumes = [choice.consume for choice in choices]
-
-        def run(consumes: list = consumes) -> None:  # type: ignore[type-arg]
-            for batch in batches:
-                for consume, outputs in zip(consumes, batch, strict=True):
-                    consume(outputs)
-
-        runs.append(timeit.timeit(run, number=1) / (len(batches) * streams) * 1e6)
+        runs.append(us_per_stream_step([choice.consume for choice in choices], batches))
     return statistics.median(runs)
 
 
@@ -74,14 +80,9 @@ def time_push(pieces: list[list[str]], thinking: bool, repeat: int) -> float:
     streams = len(pieces[0])
     runs = []
     for _ in range(repeat):
-        pushes = [DeepSeekV41OutputParser(in_reasoning=thinking).push for _ in range(streams)]
-
-        def run(pushes: list = pushes) -> None:  # type: ignore[type-arg]
-            for step in pieces:
-                for push, text in zip(pushes, step, strict=True):
-                    push(text)
-
-        runs.append(timeit.timeit(run, number=1) / (len(pieces) * streams) * 1e6)
+        runs.append(
+            us_per_stream_step([DeepSeekV41OutputParser(in_reasoning=thinking).push for _ in range(streams)], pieces)
+        )
     return statistics.median(runs)
 
 

@@ -15,9 +15,11 @@ double counts how its streams were woken."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionChunk
 
 from backends.interface import Backend, BatchStream, Event, EventStream, GenerateRequest
 from backends.registry import build_backend
@@ -105,23 +107,28 @@ def batches_gateway() -> Iterator[tuple[RunningGateway, BatchesOnlyBackend]]:
     stop_gateway(running)
 
 
-@pytest.mark.parametrize("model", [MODEL, SHADOWED])
-def test_a_streamed_answer_after_its_first_token_comes_through_every_wrapper_s_batches(
-    batches_gateway: tuple[RunningGateway, BatchesOnlyBackend], model: str
-) -> None:
-    running, double = batches_gateway
+def stream_48_tokens(running: RunningGateway, model: str, **options: Any) -> list[ChatCompletionChunk]:
+    """The chunks of a streamed chat answer of 48 tokens (no end of sequence before), read with the openai SDK."""
     client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-    before = double.batched
-    chunks = list(
+    return list(
         client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": "go on"}],
             max_tokens=48,
             stream=True,
-            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
+            **options,
         )
     )
+
+
+@pytest.mark.parametrize("model", [MODEL, SHADOWED])
+def test_a_streamed_answer_after_its_first_token_comes_through_every_wrapper_s_batches(
+    batches_gateway: tuple[RunningGateway, BatchesOnlyBackend], model: str
+) -> None:
+    running, double = batches_gateway
+    before = double.batched
+    chunks = stream_48_tokens(running, model, stream_options={"include_usage": True})
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 48
     assert chunks[-2].choices[0].finish_reason == "length"
@@ -134,17 +141,8 @@ def test_a_streamed_answer_s_engine_steps_wake_its_writer_through_every_wrapper_
     """Every wake-up of the writer after the first token comes from the engine's own delivery of a step: the
     stream never waits on a future (each such wait costs a future and a loop callback per step)."""
     running, double = batches_gateway
-    client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
     waited, notified = double.waited, double.notified
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "go on"}],
-            max_tokens=48,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-    )
+    chunks = stream_48_tokens(running, MODEL)
     assert chunks[-1].choices[0].finish_reason == "length"
     assert double.waited == waited, "a wrapper dropped notify: the stream waited on futures"
     assert double.notified > notified
