@@ -120,7 +120,7 @@ def _gateway_app(
         version=__version__,
         lifespan=lifespan,
         redirect_slashes=False,
-        middleware=gateway_middleware(state.config, state),
+        middleware=gateway_middleware(state),
     )
     app.state.gateway = state
     app.state.json_parser = json_parser  # read by the generation routes' OffloadedJSONRoute
@@ -226,9 +226,9 @@ def _lifespan(
     return lifespan
 
 
-def gateway_middleware(config: GatewayConfig, state: GatewayState) -> list[Middleware]:
+def gateway_middleware(state: GatewayState) -> list[Middleware]:
     """The gateway's ASGI middleware, outermost first (``gateway.middleware`` says what each one does and why)."""
-    server = config.server
+    server = state.config.server
     stack = [Middleware(RequestIdMiddleware)]
     if server.runtime.access_log:
         stack.append(Middleware(AccessLogMiddleware))
